@@ -1,0 +1,62 @@
+"""The `ddtree` command: one argparse tree, each verb owned by the module that implements it.
+
+Every module listed here exposes ``register(subparsers)``, which adds its parsers and sets
+``func`` (called with the parsed namespace, returns the exit code). Modules must keep heavy
+imports (torch, paramiko) inside their handlers so that `ddtree --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# verb -> modules that register sub-verbs under it ("" = register at top level)
+_TOP_LEVEL = (
+    "ddtree_runtime.tree_cli",
+    "ddtree_runtime.probe",
+    "ddtree_runtime.diagnose",
+    "ddtree_runtime.metrics",
+    "ddtree_runtime.ops.fleet",
+)
+_LAB = (
+    "ddtree_runtime.lab.cli",  # make-models, serve, bench (host side)
+    "ddtree_runtime.ops.labhosts",  # up, down, status (controller side)
+)
+
+
+def _register_all(modules: tuple[str, ...], subparsers: argparse._SubParsersAction) -> None:
+    for name in modules:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            # A module that is not written yet, or an optional dependency missing on this host
+            # (paramiko is controller-only): its verbs are simply absent.
+            if exc.name and (exc.name == name or not exc.name.startswith("ddtree_runtime")):
+                continue
+            raise
+        module.register(subparsers)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ddtree", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _register_all(_TOP_LEVEL, sub)
+    lab = sub.add_parser("lab", help="the lab: tiny models, the lab engine server, lab hosts")
+    lab_sub = lab.add_subparsers(dest="lab_command", metavar="LAB_COMMAND")
+    lab.set_defaults(func=lambda _args: (lab.print_help(), 2)[1])
+    _register_all(_LAB, lab_sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "func"):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
