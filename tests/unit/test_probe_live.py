@@ -1,0 +1,146 @@
+"""Live probe against a stdlib HTTP server answering with recorded SGLang 0.5.23 bodies."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from ddtree_runtime.probe import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_NOT_READY, EXIT_PASS, live_probe
+from tests.unit.fake_sglang import FakeSGLang, Scenario
+
+REPORT_KEYS = {"probe", "ok", "cause", "message", "checks", "figures", "handshake", "time"}
+
+
+def _probe(scenario: Scenario, **kw):
+    with FakeSGLang(scenario) as srv:
+        kw.setdefault("timeout", 5)
+        return live_probe(srv.url, poll_s=0.05, **kw), srv
+
+
+def test_healthy_server_passes_with_figures_and_greedy_requests():
+    sc = Scenario(not_ready_polls=3, completion_tokens=32, spec_verify_ct=8)
+    report, _ = _probe(sc, min_accept_length=2.0, prompts=["a", "b"], max_new_tokens=32)
+    assert report.ok and report.exit_code == EXIT_PASS, report.message
+    assert [c.name for c in report.checks] == ["ready", "generate", "flags", "handshake", "accept_length"]
+    assert report.figures["accept_length"] == 4.0
+    assert report.figures["accept_length_source"].startswith("generate meta_info")
+    assert report.figures["completion_tokens"] == 64
+    assert report.figures["observed_hidden_width"] == 25600
+    assert report.handshake["status"] == "ok"
+    posts = [json.loads(s.split(" ", 2)[2]) for s in sc.seen if s.startswith("POST /generate")]
+    assert [p["text"] for p in posts] == ["a", "b"]
+    assert all(p["sampling_params"] == {"temperature": 0, "max_new_tokens": 32} for p in posts)
+    assert sc.seen.count("GET /health_generate") == 4  # three 503s, then 200
+    assert set(report.to_dict()) >= REPORT_KEYS
+
+
+def test_not_ready_in_time_is_exit_3():
+    report, _ = _probe(Scenario(not_ready_polls=10**6), timeout=0.5)
+    assert (report.ok, report.exit_code, report.cause) == (False, EXIT_NOT_READY, "not_ready")
+    assert "HTTP 503" in report.checks[-1].detail
+
+
+def test_unreachable_is_exit_3():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    report = live_probe(f"http://127.0.0.1:{port}", timeout=0.3, poll_s=0.05)
+    assert (report.exit_code, report.cause) == (EXIT_NOT_READY, "unreachable")
+
+
+@pytest.mark.parametrize(("status", "observed", "cause"), [
+    ("mismatch", 5120, "hidden_width_mismatch"),
+    ("ok", 5120, "hidden_width_mismatch"),       # status says ok but the numbers disagree
+    ("missing", None, "hidden_states_missing"),
+    ("pending", None, "handshake_pending"),
+])
+def test_handshake_failures_are_named(status, observed, cause):
+    sc = Scenario()
+    sc.server_info["ddtree_handshake"].update(status=status, observed_hidden_width=observed)
+    report, _ = _probe(sc)
+    assert (report.exit_code, report.cause) == (EXIT_FAILED, cause)
+    assert not report.checks[-1].ok and report.checks[-1].name == "handshake"
+
+
+def test_ddtree_without_handshake_means_plugin_missing():
+    sc = Scenario()
+    del sc.server_info["ddtree_handshake"]
+    report, _ = _probe(sc)
+    assert report.cause == "plugin_not_registered"
+
+
+def test_wrong_algorithm_or_profile_flag_fails_flags_check():
+    sc = Scenario()
+    sc.server_info["speculative_algorithm"] = "DFLASH"
+    report, _ = _probe(sc)
+    assert report.cause == "flags_mismatch" and "DFLASH" in report.message
+    report, _ = _probe(Scenario(), expect={"context_length": "8192"})
+    assert report.cause == "flags_mismatch" and "context_length=32768" in report.message
+    report, _ = _probe(Scenario(), expect={"context_length": "32768", "disable_cuda_graph": "false"})
+    assert report.ok
+
+
+def test_generation_error_body_is_diagnosed():
+    error = "RuntimeError: DFLASH verify requires target hidden states, but got None."
+    sc = Scenario(generate_error=(500, error))
+    report, _ = _probe(sc)
+    assert (report.exit_code, report.cause) == (EXIT_FAILED, "hidden_states_missing")
+    sc = Scenario(generate_error=(500, "Internal Server Error"))
+    report, _ = _probe(sc)
+    assert report.cause == "generation_failed" and "HTTP 500" in report.message
+
+
+def test_empty_answer_fails():
+    report, _ = _probe(Scenario(text="  "))
+    assert report.cause == "empty_answer"
+
+
+def test_acceptance_threshold_and_fallback_sources():
+    report, _ = _probe(Scenario(completion_tokens=10, spec_verify_ct=10), min_accept_length=1.5)
+    assert report.cause == "acceptance_low" and report.figures["accept_length"] == 1.0
+
+    sc = Scenario(spec_verify_ct=None)  # no per-request spec meta: server state is next
+    report, _ = _probe(sc, min_accept_length=3.0)
+    assert report.ok and report.figures["accept_length"] == 3.5
+    assert report.figures["accept_length_source"] == "server_info internal_states"
+
+    sc = Scenario(spec_verify_ct=None, metrics='sglang:spec_accept_length{model_name="q"} 2.25\n')
+    sc.server_info["internal_states"] = [{}]
+    report, _ = _probe(sc, min_accept_length=3.0)
+    assert report.cause == "acceptance_low" and report.figures["accept_length"] == 2.25
+
+    sc = Scenario(spec_verify_ct=None)
+    sc.server_info["internal_states"] = []
+    report, _ = _probe(sc, min_accept_length=1.0)
+    assert report.cause == "acceptance_low" and "not reported" in report.message
+    report, _ = _probe(Scenario(spec_verify_ct=None, server_info={**sc.server_info}))
+    assert report.ok and report.figures["accept_length"] is None  # no threshold: reported only
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "ddtree_runtime", "probe", "live", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_cli_json_report_file_and_exit_codes(tmp_path):
+    out = tmp_path / "probe" / "sglang-qwen.json"
+    with FakeSGLang() as srv:
+        res = _cli("--url", srv.url, "--json", "--min-accept-length", "3", "--write-report", str(out))
+        assert res.returncode == EXIT_PASS, res.stdout + res.stderr
+        printed = json.loads(res.stdout)
+        assert printed == json.loads(out.read_text())
+        assert printed["probe"] == "live" and printed["ok"] is True
+        assert printed["figures"]["accept_length"] == 4.0
+
+        res = _cli("--url", srv.url, "--min-accept-length", "9")
+        assert res.returncode == EXIT_FAILED
+        assert "FAIL [acceptance_low]" in res.stdout and "minimum 9" in res.stdout
+
+    res = _cli("--url", "localhost:30000")
+    assert res.returncode == EXIT_BAD_INPUT and "not an http(s) URL" in res.stdout
+    res = _cli("--url", "http://127.0.0.1:9", "--expect", "oops")
+    assert res.returncode == EXIT_BAD_INPUT and "KEY=VALUE" in res.stdout
