@@ -1,0 +1,593 @@
+"""The DDTree round as batched PyTorch: build the draft tree, compile verify inputs, walk, commit.
+
+Shapes: ``b`` requests, ``L`` draft horizon (block_size - 1), ``V`` vocabulary, ``B`` budget
+(non-root nodes). Node 0 is the root (the previous bonus token); nodes 1..B come in best-first
+(heap pop) order of ddtree-algorithm.md section 2, so every tensor has a static shape for a given
+``(b, B)`` and the result is comparable node for node with the public reference.
+
+Every public function runs on any device. On CUDA, when ``ddtree_runtime.kernels.available()``
+says so and ``DDTREE_DISABLE_KERNELS`` is not ``"1"``, the call goes to the kernel of the same
+name instead. This module imports nothing else of ours.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "CommitPlan",
+    "DraftTree",
+    "VerifyInputs",
+    "WalkResult",
+    "build_tree",
+    "commit_plan",
+    "compile_tree",
+    "topk_log_probs",
+    "verify_attention_mask",
+    "walk_greedy",
+    "walk_posterior",
+    "walk_sample",
+]
+
+# Log-probs of -inf (masked vocabulary) are clamped to this in the fp64 ordering scores so that sums
+# stay finite and comparable; the reported fp32 scores still read -inf.
+_LOG_PROB_FLOOR = -1e300
+
+
+# --------------------------------------------------------------------------------------------
+# Results
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """One draft tree per request; all tensors on the logits' device.
+
+    ``tokens[:, i]`` is node ``i + 1``'s token (the root is not stored). Padded nodes (only when
+    fewer than B prefixes exist, e.g. ``topk_cap=1`` with ``B > L``) have token -1, depth 0,
+    parent -1 and score -inf; they are never anyone's parent and never accepted.
+    """
+
+    tokens: Tensor  # [b, B] int64
+    depths: Tensor  # [b, B] int64, 1-based
+    parents: Tensor  # [b, B+1] int64, parents[:, 0] = -1, parents[:, i] < i
+    scores: Tensor  # [b, B] float32, sum of log-probs along the root path, non-increasing
+    num_nodes: Tensor  # [b] int64
+    horizon: int  # L
+
+    @property
+    def budget(self) -> int:
+        return int(self.tokens.shape[1])
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass(frozen=True)
+class VerifyInputs:
+    """What the target's verify forward consumes (B+1 rows per request, root first)."""
+
+    input_ids: Tensor  # [b, B+1] root = previous bonus token, then node tokens (padding -> 0)
+    positions: Tensor  # [b, B+1] prefix_len + depth (root depth 0; siblings share a position)
+    visibility: Tensor  # [b, B+1, B+1] bool, row i sees its ancestors and itself
+    retrieve_index: Tensor  # [b, B+1] flat row index b*(B+1)+i
+    retrieve_next_token: Tensor  # [b, B+1] first child (local index, pop order) or -1
+    retrieve_next_sibling: Tensor  # [b, B+1] next sibling (local index, pop order) or -1
+
+
+@dataclass(frozen=True)
+class WalkResult:
+    """The accepted root path of each request after verification.
+
+    ``tree_rows`` (B+1) is carried so that :func:`commit_plan` knows how many KV rows the verify
+    pass wrote; it is ``None`` only for results built by hand.
+    """
+
+    accepted: Tensor  # [b, L+1] int64 node indices, accepted[:, 0] = 0, -1 padded
+    num_accepted: Tensor  # [b] int64 = len(acc) incl. root (the acceptance length tau)
+    bonus: Tensor  # [b] int64, target token after the last accepted node
+    emitted: Tensor  # [b, L+1] int64 tokens(acc[1:]) + bonus, -1 padded
+    num_emitted: Tensor  # [b] == num_accepted
+    tree_rows: int | None = None  # B+1
+
+
+@dataclass(frozen=True)
+class CommitPlan:
+    """Which KV rows survive a round and where they go.
+
+    Rows are counted relative to the request's prefix: the verify pass wrote node ``i``'s K/V at
+    logical position ``prefix_len + i`` (i = 0..B). The accepted nodes ``acc`` (strictly
+    increasing, ``acc[0] = 0``) must end up at logical positions ``prefix_len + 0 ..
+    prefix_len + a - 1`` in order, ``a = num_rows``. Hence ``dst[k] = k <= src[k] = acc[k]``:
+    copying the rows in increasing ``k`` in place never overwrites a row still to be read.
+
+    Two ways to apply it, both exact:
+
+    * page_size 1 (SGLang's req_to_token remap, no data copy): set
+      ``req_to_token[prefix + dst[k]] = slot_of(prefix + src[k])`` for the valid ``k`` and free the
+      slots of the rows with ``keep == False``.
+    * any page size (move rows): for each valid ``k`` with ``copy[k]``, copy the K/V at logical
+      position ``src_loc[k]`` (page ``src_page[k]``, offset ``src_offset[k]`` of the request's page
+      table) to ``dst_loc[k]`` (``dst_page[k]``, ``dst_offset[k]``), in increasing ``k``. Then the
+      request's length is ``new_len``; the pages with logical page index in
+      ``[free_page_start, free_page_end)`` held only tree rows past ``new_len`` and are freed;
+      page ``free_page_start - 1`` (if it is >= the page of ``prefix_len``) stays, partly filled.
+      ``page_moves`` lists, per request, the distinct (src_page -> dst_page) pairs touched by the
+      copies (-1 padded), for kernels that move whole-page spans.
+    """
+
+    src: Tensor  # [b, L+1] node index (= row relative to prefix) of each accepted node, -1 padded
+    dst: Tensor  # [b, L+1] destination row relative to prefix, dst <= src, -1 padded
+    num_rows: Tensor  # [b] = num_accepted
+    keep: Tensor  # [b, B+1] bool, row i holds an accepted node
+    copy: Tensor  # [b, L+1] bool, a real move (src != dst)
+    src_loc: Tensor  # [b, L+1] absolute logical position prefix + src, -1 padded
+    dst_loc: Tensor  # [b, L+1] absolute logical position prefix + dst, -1 padded
+    src_page: Tensor  # [b, L+1] src_loc // page_size, -1 padded
+    src_offset: Tensor  # [b, L+1] src_loc % page_size, -1 padded
+    dst_page: Tensor  # [b, L+1]
+    dst_offset: Tensor  # [b, L+1]
+    page_moves: Tensor  # [b, L+1, 2] distinct (src_page, dst_page) with src_page != dst_page, -1 padded
+    new_len: Tensor  # [b] prefix_len + num_rows
+    free_page_start: Tensor  # [b] ceil(new_len / page_size)
+    free_page_end: Tensor  # [b] ceil((prefix_len + B + 1) / page_size)
+    page_size: int
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel dispatch
+
+
+def _kernel_for(name: str, tensor: Any) -> Callable[..., Any] | None:
+    """The CUDA kernel of the same name when it should run for ``tensor``, else None."""
+    if not getattr(tensor, "is_cuda", False) or os.environ.get("DDTREE_DISABLE_KERNELS") == "1":
+        return None
+    try:
+        from ddtree_runtime import kernels
+    except ImportError:
+        return None
+    if not kernels.available():
+        return None
+    return getattr(kernels, name, None)
+
+
+# --------------------------------------------------------------------------------------------
+# Build
+
+
+def topk_log_probs(draft_logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Top-``k`` fp32 log-probabilities per depth over the FULL vocabulary, sorted descending.
+
+    Equal log-probs are ordered by ascending token id, so ranks (and thus the tree) are
+    deterministic whatever ``torch.topk`` does with ties.
+    """
+    log_probs = torch.log_softmax(draft_logits.float(), dim=-1)
+    values, ids = torch.topk(log_probs, k, dim=-1, largest=True, sorted=True)
+    # Deterministic tie order inside the selected set: by id, then (stably) by value.
+    by_id = torch.argsort(ids, dim=-1, stable=True)
+    values, ids = values.gather(-1, by_id), ids.gather(-1, by_id)
+    by_value = torch.argsort(-values, dim=-1, stable=True)
+    return values.gather(-1, by_value), ids.gather(-1, by_value)
+
+
+def _score_dtype(device: torch.device) -> torch.dtype:
+    # fp64 sums of fp32 log-probs are exact in practice, so the order does not depend on the
+    # summation path (the reference sums in Python floats). MPS has no fp64.
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def build_tree(draft_logits: Tensor, budget: int, *, topk_cap: int | None = None) -> DraftTree:
+    """Best-first DDTree of ``budget`` nodes per request from draft logits ``[b, L, V]``.
+
+    Node set = the ``budget`` most probable prefixes under the product of per-depth marginals
+    (top-K per depth, K = min(budget, V, topk_cap)); node order = the reference heap's pop order:
+    by score descending, ties by the ranks tuple (lexicographic, a prefix first).
+
+    How, without a heap: the depth-d nodes of the final tree are among the best ``budget - d + 1``
+    children of the kept depth-(d-1) nodes, so one stable sort per depth over [kept x K]
+    candidates finds them; a last stable sort of all kept nodes (arranged in ranks-lexicographic
+    = preorder order) by score gives the final order.
+    """
+    kernel = _kernel_for("build_tree", draft_logits)
+    if kernel is not None:
+        return kernel(draft_logits, budget, topk_cap=topk_cap)
+    if draft_logits.dim() != 3:
+        raise ValueError(f"draft_logits must be [batch, L, V], got shape {tuple(draft_logits.shape)}")
+    if not draft_logits.is_floating_point():
+        raise ValueError(f"draft_logits must be a float tensor, got {draft_logits.dtype}")
+    if topk_cap is not None and topk_cap < 1:
+        raise ValueError(f"topk_cap must be >= 1 or None, got {topk_cap}")
+    b, horizon, vocab = draft_logits.shape
+    budget = max(int(budget), 0)
+    device = draft_logits.device
+    if budget == 0 or horizon == 0 or vocab == 0:
+        return _empty_tree(b, budget, horizon, device)
+
+    k = min(budget, vocab, topk_cap or budget)
+    top_lp, top_ids = topk_log_probs(draft_logits, k)  # [b, L, K]
+    sdt = _score_dtype(device)
+    lp64 = top_lp.to(sdt).clamp(min=_LOG_PROB_FLOOR if sdt == torch.float64 else -1e30)
+
+    # Per depth, the kept nodes in ranks-lexicographic order: score, parent position, rank.
+    level_scores: list[Tensor] = []
+    level_parent: list[Tensor] = []
+    level_rank: list[Tensor] = []
+    prev_scores = torch.zeros(b, 1, dtype=sdt, device=device)  # the root
+    for d in range(horizon):
+        cap = budget - d  # at most B - d + 1 nodes at 1-based depth d + 1
+        if cap <= 0:
+            break
+        width = prev_scores.shape[1]
+        # Candidate c = parent_pos * K + rank: ascending c is ranks-lexicographic order.
+        cand = (prev_scores.unsqueeze(-1) + lp64[:, d].unsqueeze(1)).reshape(b, width * k)
+        keep = min(cap, width * k)
+        best = torch.argsort(-cand, dim=-1, stable=True)[:, :keep]
+        chosen, _ = torch.sort(best, dim=-1)  # back to lexicographic order
+        level_scores.append(cand.gather(1, chosen))
+        level_parent.append(torch.div(chosen, k, rounding_mode="floor"))
+        level_rank.append(chosen % k)
+        prev_scores = level_scores[-1]
+
+    preorder = _preorder_index(level_parent)
+    scores = torch.cat(level_scores, dim=1)  # [b, N], levels concatenated
+    total = scores.shape[1]
+    # Arrange every kept node at its preorder slot, then a stable sort by score gives heap order.
+    flat_ids = torch.arange(total, device=device).expand(b, total)
+    by_pre = torch.empty_like(flat_ids).scatter_(1, preorder, flat_ids)
+    order = torch.argsort(-scores.gather(1, by_pre), dim=-1, stable=True)
+    picked = by_pre.gather(1, order)[:, :budget]  # flat ids in pop order
+    n = picked.shape[1]
+
+    depth_of, parent_flat, token_flat = _flat_node_fields(level_parent, level_rank, top_ids, k)
+    node_of_flat = torch.full((b, total + 1), -1, dtype=torch.long, device=device)
+    node_of_flat[:, total] = 0  # the root's flat id is `total`
+    node_of_flat.scatter_(1, picked, torch.arange(1, n + 1, device=device).expand(b, n))
+
+    tokens = token_flat.gather(1, picked)
+    depths = depth_of.expand(b, total).gather(1, picked)
+    parents = node_of_flat.gather(1, parent_flat.gather(1, picked))
+    node_scores = scores.gather(1, picked).float()
+    if n < budget:  # fewer prefixes than the budget: pad (uniform across the batch)
+        pad = budget - n
+        tokens = torch.cat([tokens, tokens.new_full((b, pad), -1)], dim=1)
+        depths = torch.cat([depths, depths.new_zeros((b, pad))], dim=1)
+        parents = torch.cat([parents, parents.new_full((b, pad), -1)], dim=1)
+        node_scores = torch.cat([node_scores, node_scores.new_full((b, pad), float("-inf"))], dim=1)
+    root_parent = torch.full((b, 1), -1, dtype=torch.long, device=device)
+    return DraftTree(
+        tokens=tokens,
+        depths=depths,
+        parents=torch.cat([root_parent, parents], dim=1),
+        scores=node_scores,
+        num_nodes=torch.full((b,), n, dtype=torch.long, device=device),
+        horizon=horizon,
+    )
+
+
+def _empty_tree(b: int, budget: int, horizon: int, device: torch.device) -> DraftTree:
+    return DraftTree(
+        tokens=torch.full((b, budget), -1, dtype=torch.long, device=device),
+        depths=torch.zeros((b, budget), dtype=torch.long, device=device),
+        parents=torch.full((b, budget + 1), -1, dtype=torch.long, device=device),
+        scores=torch.full((b, budget), float("-inf"), dtype=torch.float32, device=device),
+        num_nodes=torch.zeros((b,), dtype=torch.long, device=device),
+        horizon=horizon,
+    )
+
+
+def _preorder_index(level_parent: list[Tensor]) -> Tensor:
+    """Preorder position (children in rank order) of every kept node, levels concatenated.
+
+    Preorder of a prefix-closed set of rank tuples is exactly their lexicographic order with a
+    prefix first, i.e. the reference heap's tie-break.
+    """
+    levels = len(level_parent)
+    sizes: list[Tensor] = [torch.ones_like(p) for p in level_parent]
+    for d in range(levels - 1, 0, -1):  # subtree sizes, bottom-up
+        sizes[d - 1] = sizes[d - 1].scatter_add(1, level_parent[d], sizes[d])
+    pre: list[Tensor] = []
+    parent_pre = torch.full_like(level_parent[0][:, :1], -1)  # the root
+    for d in range(levels):
+        parent = level_parent[d]
+        excl = torch.cumsum(sizes[d], dim=1) - sizes[d]  # sizes of all earlier nodes at this level
+        # Siblings are contiguous, so earlier siblings' sizes = excl - excl at the group's start.
+        group_start = torch.full_like(parent_pre, torch.iinfo(torch.long).max)
+        group_start = group_start.scatter_reduce(1, parent, excl, reduce="amin", include_self=True)
+        pre.append(parent_pre.gather(1, parent) + 1 + excl - group_start.gather(1, parent))
+        parent_pre = pre[-1]
+    return torch.cat(pre, dim=1)
+
+
+def _flat_node_fields(
+    level_parent: list[Tensor], level_rank: list[Tensor], top_ids: Tensor, k: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Depth, parent flat id (root = total) and token of every kept node, levels concatenated."""
+    offsets = [0]
+    for p in level_parent:
+        offsets.append(offsets[-1] + p.shape[1])
+    total = offsets[-1]
+    depth_parts, parent_parts, token_parts = [], [], []
+    for d, (parent, rank) in enumerate(zip(level_parent, level_rank, strict=True)):
+        depth_parts.append(torch.full((1, parent.shape[1]), d + 1, dtype=torch.long, device=parent.device))
+        parent_parts.append(parent + offsets[d - 1] if d > 0 else torch.full_like(parent, total))
+        token_parts.append(top_ids[:, d].gather(1, rank))
+    return torch.cat(depth_parts, 1), torch.cat(parent_parts, 1), torch.cat(token_parts, 1)
+
+
+def _reference_build_tree(
+    top_lp: list[list[float]], top_ids: list[list[int]], budget: int
+) -> tuple[list[int], list[int], list[int], list[float]]:
+    """The literal best-first heap of ddtree-algorithm.md section 2, for ONE request.
+
+    Takes the per-depth top-K log-probs/ids (as from :func:`topk_log_probs`) and returns
+    (tokens, depths, parents incl. root, scores) in pop order. Slow, plain Python: the oracle the
+    batched :func:`build_tree` and the CUDA kernels are tested against.
+    """
+    horizon = len(top_lp)
+    if budget <= 0 or horizon == 0 or not top_lp[0]:
+        return [], [], [-1], []
+    k = len(top_lp[0])
+    tokens: list[int] = []
+    depths: list[int] = []
+    parents = [-1]
+    scores: list[float] = []
+    first = float(top_lp[0][0])
+    heap: list[tuple[float, tuple[int, ...], int, int, int, float]] = [(-first, (0,), 0, 1, 0, first)]
+    while heap and len(tokens) < budget:
+        _, ranks, parent, depth, rank, score = heapq.heappop(heap)
+        tokens.append(int(top_ids[depth - 1][rank]))
+        depths.append(depth)
+        parents.append(parent)
+        scores.append(score)
+        index = len(tokens)
+        if rank + 1 < k:
+            sib = score - float(top_lp[depth - 1][rank]) + float(top_lp[depth - 1][rank + 1])
+            heapq.heappush(heap, (-sib, (*ranks[:-1], rank + 1), parent, depth, rank + 1, sib))
+        if depth < horizon:
+            child = score + float(top_lp[depth][0])
+            heapq.heappush(heap, (-child, (*ranks, 0), index, depth + 1, 0, child))
+    return tokens, depths, parents, scores
+
+
+# --------------------------------------------------------------------------------------------
+# Compile
+
+
+def _ancestor_matrix(parents: Tensor) -> Tensor:
+    """[b, N, N] bool, row i = ancestors of i and i itself (pointer chasing, one step per depth)."""
+    b, n = parents.shape
+    device = parents.device
+    vis = torch.eye(n, dtype=torch.bool, device=device).expand(b, n, n).clone()
+    rows = torch.arange(n, device=device).expand(b, n)
+    cur = parents.clone()
+    for _ in range(n):  # terminates after max depth steps; n bounds it
+        live = cur >= 0
+        if not bool(live.any()):
+            break
+        vis[live.nonzero(as_tuple=True)[0], rows[live], cur[live]] = True
+        cur = torch.where(live, parents.gather(1, cur.clamp(min=0)), cur)
+    return vis
+
+
+def _child_links(parents: Tensor) -> tuple[Tensor, Tensor]:
+    """First child and next sibling (local indices, pop order, -1 when none) per node."""
+    b, n = parents.shape
+    device = parents.device
+    idx = torch.arange(n, device=device).expand(b, n)
+    big = torch.full((b, n + 1), n, dtype=torch.long, device=device)
+    slot = torch.where(parents >= 0, parents, torch.full_like(parents, n))  # orphans -> dump slot n
+    first = big.scatter_reduce(1, slot, idx, reduce="amin", include_self=True)[:, :n]
+    first_child = torch.where(first < n, first, torch.full_like(first, -1))
+    # Nodes sorted by (parent, index): a node's next sibling is its successor in that order.
+    key = slot * (n + 1) + idx
+    order = torch.argsort(key, dim=1)
+    sorted_slot = slot.gather(1, order)
+    same = torch.zeros_like(order, dtype=torch.bool)
+    same[:, :-1] = (sorted_slot[:, 1:] == sorted_slot[:, :-1]) & (sorted_slot[:, :-1] < n)
+    nxt_sorted = torch.full_like(order, -1)
+    nxt_sorted[:, :-1] = torch.where(same[:, :-1], order[:, 1:], nxt_sorted[:, :-1])
+    next_sibling = torch.full_like(order, -1).scatter_(1, order, nxt_sorted)
+    return first_child, next_sibling
+
+
+def compile_tree(tree: DraftTree, root_tokens: Tensor, prefix_lens: Tensor) -> VerifyInputs:
+    """Verify inputs for a batch: ids, positions (prefix + depth), visibility, SGLang retrieve arrays.
+
+    ``root_tokens [b]`` are the previous round's bonus tokens, ``prefix_lens [b]`` the committed
+    lengths (the target KV length), which may differ per request.
+    """
+    kernel = _kernel_for("compile_tree", tree.tokens)
+    if kernel is not None:
+        return kernel(tree, root_tokens, prefix_lens)
+    b, budget = tree.tokens.shape
+    device = tree.tokens.device
+    root_tokens = torch.as_tensor(root_tokens, device=device).long().reshape(b, 1)
+    prefix = torch.as_tensor(prefix_lens, device=device).long().reshape(b, 1)
+    input_ids = torch.cat([root_tokens, tree.tokens.clamp(min=0)], dim=1)
+    positions = prefix + torch.cat([torch.zeros_like(root_tokens), tree.depths], dim=1)
+    first_child, next_sibling = _child_links(tree.parents)
+    rows = budget + 1
+    return VerifyInputs(
+        input_ids=input_ids,
+        positions=positions,
+        visibility=_ancestor_matrix(tree.parents),
+        retrieve_index=torch.arange(b * rows, device=device).reshape(b, rows),
+        retrieve_next_token=first_child,
+        retrieve_next_sibling=next_sibling,
+    )
+
+
+def verify_attention_mask(inputs: VerifyInputs, prefix_lens: Tensor) -> list[Tensor]:
+    """Per request bool ``[B+1, prefix+B+1]`` (True = may attend): prefix all visible, then the tree.
+
+    This is SGLang's ``custom_mask`` layout before flattening; ``torch.cat([m.flatten() for m in
+    masks])`` gives the flat buffer.
+    """
+    kernel = _kernel_for("verify_attention_mask", inputs.visibility)
+    if kernel is not None:
+        return kernel(inputs, prefix_lens)
+    rows = inputs.visibility.shape[1]
+    masks = []
+    for i, plen in enumerate(torch.as_tensor(prefix_lens).reshape(-1).tolist()):
+        prefix = torch.ones((rows, int(plen)), dtype=torch.bool, device=inputs.visibility.device)
+        masks.append(torch.cat([prefix, inputs.visibility[i]], dim=1))
+    return masks
+
+
+# --------------------------------------------------------------------------------------------
+# Walk
+
+
+def walk_posterior(tree: DraftTree, posterior: Tensor) -> WalkResult:
+    """Follow the tree from the root while the target's token at the node is one of its children.
+
+    ``posterior [b, B+1]`` holds the target's decided token at every node (argmax, or one sample
+    per node: each node is visited at most once, so drawing all rows up front is the same law).
+    """
+    b, budget = tree.tokens.shape
+    device = tree.tokens.device
+    rows = budget + 1
+    posterior = posterior.long()
+    parents = tree.parents[:, 1:]
+    valid = parents >= 0
+    # matched[p] = the child of p holding posterior[p] (siblings are distinct: at most one).
+    hit = valid & (tree.tokens == posterior.gather(1, parents.clamp(min=0)))
+    slot = torch.where(hit, parents, torch.full_like(parents, rows))  # misses -> dump slot
+    node_ids = torch.arange(1, rows, device=device).expand(b, budget)
+    matched = torch.full((b, rows + 1), -1, dtype=torch.long, device=device)
+    matched = matched.scatter_(1, slot, node_ids)[:, :rows]
+
+    steps = tree.horizon + 1
+    accepted = torch.full((b, steps), -1, dtype=torch.long, device=device)
+    accepted[:, 0] = 0
+    cur = torch.zeros((b,), dtype=torch.long, device=device)
+    live = torch.ones((b,), dtype=torch.bool, device=device)
+    for step in range(1, steps):  # loop over depth, not over requests
+        nxt = matched.gather(1, cur.unsqueeze(1)).squeeze(1)
+        live = live & (nxt >= 0)
+        accepted[:, step] = torch.where(live, nxt, accepted[:, step])
+        cur = torch.where(live, nxt, cur)
+    num = (accepted >= 0).sum(dim=1)
+    bonus = posterior.gather(1, cur.unsqueeze(1)).squeeze(1)
+    node_tokens = torch.cat([torch.full((b, 1), -1, dtype=torch.long, device=device), tree.tokens], 1)
+    emitted = torch.where(accepted >= 0, node_tokens.gather(1, accepted.clamp(min=0)), -1)
+    emitted = torch.cat([emitted[:, 1:], torch.full((b, 1), -1, dtype=torch.long, device=device)], 1)
+    emitted.scatter_(1, (num - 1).unsqueeze(1), bonus.unsqueeze(1))
+    return WalkResult(
+        accepted=accepted, num_accepted=num, bonus=bonus, emitted=emitted, num_emitted=num.clone(),
+        tree_rows=rows,
+    )
+
+
+def _check_rows(tree: DraftTree, target: Tensor, what: str) -> None:
+    want = (tree.batch_size, tree.budget + 1)
+    if target.dim() != 3 or tuple(target.shape[:2]) != want:
+        raise ValueError(f"{what} must be [{want[0]}, {want[1]}, V] (one row per tree node incl. root), "
+                         f"got {tuple(target.shape)}")
+
+
+def walk_greedy(tree: DraftTree, target_logits: Tensor) -> WalkResult:
+    """T = 0: the target's argmax at each node decides; ``target_logits [b, B+1, V]``."""
+    kernel = _kernel_for("walk_greedy", target_logits)
+    if kernel is not None:
+        return kernel(tree, target_logits)
+    _check_rows(tree, target_logits, "target_logits")
+    return walk_posterior(tree, target_logits.argmax(dim=-1))
+
+
+def walk_sample(tree: DraftTree, target_probs: Tensor, *, generator: torch.Generator | None = None) -> WalkResult:
+    """Lossless T > 0 walk: sample the target at the node; accept the child holding that token, else
+    the sample is the bonus. ``target_probs [b, B+1, V]`` are the processed target probabilities
+    (temperature, top-k/top-p already applied). Never min(1, p/q): tree tokens are top-K picks,
+    not draft samples, so every committed token is a genuine target sample.
+    """
+    kernel = _kernel_for("walk_sample", target_probs)
+    if kernel is not None:
+        return kernel(tree, target_probs, generator=generator)
+    _check_rows(tree, target_probs, "target_probs")
+    b, rows, vocab = target_probs.shape
+    flat = target_probs.reshape(b * rows, vocab).float()
+    samples = torch.multinomial(flat, 1, generator=generator).reshape(b, rows)
+    return walk_posterior(tree, samples)
+
+
+# --------------------------------------------------------------------------------------------
+# Commit
+
+
+def commit_plan(
+    walk: WalkResult, prefix_lens: Tensor, *, page_size: int = 1, tree_rows: int | None = None
+) -> CommitPlan:
+    """KV commit plan from the accepted indices; see :class:`CommitPlan` for the exact semantics.
+
+    ``tree_rows`` (B+1) defaults to ``walk.tree_rows``.
+    """
+    kernel = _kernel_for("commit_plan", walk.accepted)
+    if kernel is not None:
+        return kernel(walk, prefix_lens, page_size=page_size, tree_rows=tree_rows)
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    rows = tree_rows if tree_rows is not None else walk.tree_rows
+    if rows is None:
+        raise ValueError("commit_plan needs the tree size: pass tree_rows=B+1 (walk.tree_rows is unset)")
+    acc = walk.accepted
+    b, width = acc.shape
+    device = acc.device
+    prefix = torch.as_tensor(prefix_lens, device=device).long().reshape(b, 1)
+    valid = acc >= 0
+    neg = torch.full_like(acc, -1)
+    dst = torch.where(valid, torch.arange(width, device=device).expand(b, width), neg)
+    keep = torch.zeros((b, rows + 1), dtype=torch.bool, device=device)
+    keep.scatter_(1, torch.where(valid, acc, torch.full_like(acc, rows)), True)
+    src_loc = torch.where(valid, prefix + acc, neg)
+    dst_loc = torch.where(valid, prefix + dst, neg)
+    src_page = torch.where(valid, torch.div(src_loc, page_size, rounding_mode="floor"), neg)
+    dst_page = torch.where(valid, torch.div(dst_loc, page_size, rounding_mode="floor"), neg)
+    copy = valid & (acc != dst)
+    new_len = prefix.squeeze(1) + walk.num_accepted
+    return CommitPlan(
+        src=acc.clone(),
+        dst=dst,
+        num_rows=walk.num_accepted.clone(),
+        keep=keep[:, :rows],
+        copy=copy,
+        src_loc=src_loc,
+        dst_loc=dst_loc,
+        src_page=src_page,
+        src_offset=torch.where(valid, src_loc % page_size, neg),
+        dst_page=dst_page,
+        dst_offset=torch.where(valid, dst_loc % page_size, neg),
+        page_moves=_page_moves(src_page, dst_page, copy),
+        new_len=new_len,
+        free_page_start=_ceil_div(new_len, page_size),
+        free_page_end=_ceil_div(prefix.squeeze(1) + rows, page_size),
+        page_size=page_size,
+    )
+
+
+def _ceil_div(x: Tensor, d: int) -> Tensor:
+    return torch.div(x + d - 1, d, rounding_mode="floor")
+
+
+def _page_moves(src_page: Tensor, dst_page: Tensor, copy: Tensor) -> Tensor:
+    """Distinct (src_page, dst_page) pairs of the cross-page copies, in copy order, -1 padded."""
+    b, width = src_page.shape
+    cross = copy & (src_page != dst_page)
+    pair = torch.stack([src_page, dst_page], dim=-1)
+    prev_same = torch.zeros_like(cross)
+    prev_same[:, 1:] = (pair[:, 1:] == pair[:, :-1]).all(-1) & cross[:, :-1]
+    # Copies run in increasing order and both pages are non-decreasing, so equal pairs are adjacent.
+    first = cross & ~prev_same
+    slot = torch.cumsum(first.long(), dim=1) - 1
+    out = torch.full((b, width + 1, 2), -1, dtype=torch.long, device=src_page.device)
+    target = torch.where(first, slot, torch.full_like(slot, width))
+    out.scatter_(1, target.unsqueeze(-1).expand(b, width, 2), pair)
+    out[:, width] = -1
+    return out[:, :width]
