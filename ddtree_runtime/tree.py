@@ -481,7 +481,11 @@ def walk_posterior(tree: DraftTree, posterior: Tensor) -> WalkResult:
     emitted = torch.cat([emitted[:, 1:], torch.full((b, 1), -1, dtype=torch.long, device=device)], 1)
     emitted.scatter_(1, (num - 1).unsqueeze(1), bonus.unsqueeze(1))
     return WalkResult(
-        accepted=accepted, num_accepted=num, bonus=bonus, emitted=emitted, num_emitted=num.clone(),
+        accepted=accepted,
+        num_accepted=num,
+        bonus=bonus,
+        emitted=emitted,
+        num_emitted=num.clone(),
         tree_rows=rows,
     )
 
@@ -489,8 +493,10 @@ def walk_posterior(tree: DraftTree, posterior: Tensor) -> WalkResult:
 def _check_rows(tree: DraftTree, target: Tensor, what: str) -> None:
     want = (tree.batch_size, tree.budget + 1)
     if target.dim() != 3 or tuple(target.shape[:2]) != want:
-        raise ValueError(f"{what} must be [{want[0]}, {want[1]}, V] (one row per tree node incl. root), "
-                         f"got {tuple(target.shape)}")
+        raise ValueError(
+            f"{what} must be [{want[0]}, {want[1]}, V] (one row per tree node incl. root), "
+            f"got {tuple(target.shape)}"
+        )
 
 
 def walk_greedy(tree: DraftTree, target_logits: Tensor) -> WalkResult:
@@ -502,7 +508,9 @@ def walk_greedy(tree: DraftTree, target_logits: Tensor) -> WalkResult:
     return walk_posterior(tree, target_logits.argmax(dim=-1))
 
 
-def walk_sample(tree: DraftTree, target_probs: Tensor, *, generator: torch.Generator | None = None) -> WalkResult:
+def walk_sample(
+    tree: DraftTree, target_probs: Tensor, *, generator: torch.Generator | None = None
+) -> WalkResult:
     """Lossless T > 0 walk: sample the target at the node; accept the child holding that token, else
     the sample is the bonus. ``target_probs [b, B+1, V]`` are the processed target probabilities
     (temperature, top-k/top-p already applied). Never min(1, p/q): tree tokens are top-K picks,

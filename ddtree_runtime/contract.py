@@ -1,0 +1,458 @@
+"""The hidden-state handshake between a target model and its DFlash-family drafter.
+
+The drafter's ``fc`` takes the target's hidden states at ``target_layer_ids`` concatenated on the
+last dim: ``[N, len(ids) * H_target]``. This module states that width from the files alone (the
+two ``config.json`` files and the drafter's safetensors header, no tensor is loaded) and checks a
+live tensor against it. Every failure is one :class:`ContractError` whose message names the
+numbers and the likely cause. It imports nothing else of ours and no torch at import time.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "ContractError",
+    "HiddenContract",
+    "build_target_layer_ids",
+    "check_hidden_states",
+    "load_contract",
+    "read_safetensors_header",
+]
+
+# A real header is a few hundred KB even for sharded 27B checkpoints; anything near this is garbage.
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+_DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+    "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8,
+}  # fmt: skip
+_HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_next", "mamba", "jamba", "nemotron_h", "falcon_h1", "zamba", "bamba")
+_HYBRID_LAYER_TYPES = ("linear_attention", "mamba", "mamba2", "gated_deltanet", "recurrent")
+
+
+class ContractError(ValueError):
+    """The target/drafter pair or a live hidden tensor breaks the handshake.
+
+    ``cause`` is a short id: ``hidden_width_mismatch``, ``hidden_states_missing``,
+    ``hidden_dtype_mismatch``, ``hidden_device_mismatch``, ``fc_width_mismatch``, ``bad_config``,
+    ``bad_safetensors``, ``layer_ids_out_of_range``. ``details`` holds the numbers involved.
+    """
+
+    def __init__(self, cause: str, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.cause = cause
+        self.details = details
+
+
+@dataclass(frozen=True)
+class HiddenContract:
+    target_hidden_size: int
+    target_num_layers: int
+    target_layer_ids: tuple[int, ...]
+    block_size: int
+    draft_hidden_size: int
+    fc_in_features: int
+    mask_token_id: int | None
+    hybrid: bool  # target has linear-attention / mamba layers
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def capture_width(self) -> int:
+        return len(self.target_layer_ids) * self.target_hidden_size
+
+    @property
+    def horizon(self) -> int:
+        """Draft horizon L = block_size - 1."""
+        return self.block_size - 1
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["target_layer_ids"] = list(self.target_layer_ids)
+        out["warnings"] = list(self.warnings)
+        out["capture_width"] = self.capture_width
+        return out
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """SGLang's / DFlash's default capture layers: evenly spaced over [1, T-3]; [T//2] for one layer."""
+    if num_target_layers <= 0 or num_draft_layers <= 0:
+        raise ContractError(
+            "bad_config",
+            f"cannot pick default target layers for {num_target_layers} target and "
+            f"{num_draft_layers} draft layers: both must be positive",
+        )
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    if end < start:
+        raise ContractError(
+            "bad_config",
+            f"default target layer ids need a target with >= 4 layers, got {num_target_layers}; "
+            "set dflash_config.target_layer_ids in the drafter's config.json",
+        )
+    span = end - start
+    return [round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+# --------------------------------------------------------------------------------------------
+# Files
+
+
+def _read_config(model_dir: Path, role: str) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    if not model_dir.is_dir():
+        raise ContractError(
+            "bad_config", f"{role} model directory {model_dir} does not exist", path=str(path)
+        )
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ContractError(
+            "bad_config", f"{role} config {path} is missing: is {model_dir} a Hugging Face model directory?"
+        ) from None
+    except OSError as exc:
+        raise ContractError("bad_config", f"cannot read {role} config {path}: {exc.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ContractError(
+            "bad_config", f"{role} config {path} is not valid JSON (line {exc.lineno}: {exc.msg})"
+        ) from None
+    if not isinstance(data, dict):
+        raise ContractError("bad_config", f"{role} config {path} must hold a JSON object")
+    return data
+
+
+def _int_field(path: Path, value: Any, name: str, *, minimum: int = 1, required: bool = True) -> int | None:
+    if value is None:
+        if required:
+            raise ContractError("bad_config", f"{path} has no {name}")
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ContractError("bad_config", f"{path}: {name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _is_hybrid(config: dict[str, Any], text: dict[str, Any]) -> bool:
+    for cfg in (config, text):
+        model_type = str(cfg.get("model_type", "")).lower()
+        if any(model_type.startswith(t) for t in _HYBRID_MODEL_TYPES):
+            return True
+        layer_types = cfg.get("layer_types")
+        if isinstance(layer_types, list) and any(str(t).lower() in _HYBRID_LAYER_TYPES for t in layer_types):
+            return True
+        if cfg.get("full_attention_interval") is not None or cfg.get("mamba_d_state") is not None:
+            return True
+        archs = cfg.get("architectures") or []
+        if isinstance(archs, list) and any(
+            any(h in str(a).lower() for h in ("mamba", "qwen3_5", "qwen3next", "qwen3_next", "jamba"))
+            for a in archs
+        ):
+            return True
+    return False
+
+
+def read_safetensors_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file (8-byte little-endian length, then JSON); no data read.
+
+    The tensor data is never read, so a file holding only a header is accepted: the tests use that
+    to state real 27B shapes without writing gigabytes.
+    """
+    try:
+        with path.open("rb") as fh:
+            raw_len = fh.read(8)
+            if len(raw_len) < 8:
+                raise ContractError(
+                    "bad_safetensors",
+                    f"{path} is truncated: {len(raw_len)} bytes, shorter than the 8-byte header length",
+                )
+            (length,) = struct.unpack("<Q", raw_len)
+            if length > MAX_HEADER_BYTES:
+                raise ContractError(
+                    "bad_safetensors",
+                    f"{path} declares a {length}-byte header (limit {MAX_HEADER_BYTES}): "
+                    "not a safetensors file, or a corrupt one",
+                )
+            raw = fh.read(length)
+    except FileNotFoundError:
+        raise ContractError("bad_safetensors", f"drafter weights {path} are missing") from None
+    except OSError as exc:
+        raise ContractError("bad_safetensors", f"cannot read {path}: {exc.strerror}") from None
+    if len(raw) < length:
+        raise ContractError(
+            "bad_safetensors", f"{path} is truncated: header declares {length} bytes, file holds {len(raw)}"
+        )
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise ContractError("bad_safetensors", f"{path}: the safetensors header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise ContractError("bad_safetensors", f"{path}: the safetensors header must be a JSON object")
+    return header
+
+
+def _fc_shape_from_file(path: Path, key: str) -> tuple[int, int]:
+    header = read_safetensors_header(path)
+    entry = header.get(key)
+    if not isinstance(entry, dict):
+        raise ContractError(
+            "bad_safetensors", f"{path} holds no {key}: is this a DFlash drafter checkpoint?", key=key
+        )
+    shape, dtype, offsets = entry.get("shape"), entry.get("dtype"), entry.get("data_offsets")
+    if not (isinstance(shape, list) and len(shape) == 2 and all(_is_count(s) for s in shape)):
+        raise ContractError("bad_safetensors", f"{path}: {key} shape must be [out, in], got {shape!r}")
+    itemsize = _DTYPE_BYTES.get(str(dtype))
+    if itemsize is None:
+        raise ContractError("bad_safetensors", f"{path}: {key} has unknown dtype {dtype!r}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
+        raise ContractError("bad_safetensors", f"{path}: {key} data_offsets must be [begin, end]")
+    if offsets[1] - offsets[0] != shape[0] * shape[1] * itemsize:
+        raise ContractError(
+            "bad_safetensors",
+            f"{path}: {key} data_offsets {offsets} do not match shape {shape} x {dtype} "
+            f"({shape[0] * shape[1] * itemsize} bytes): corrupt header",
+        )
+    return int(shape[0]), int(shape[1])
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _find_fc_weight(draft_dir: Path) -> tuple[tuple[int, int], Path]:
+    """The drafter's ``fc.weight`` [out, in] from a single-file or sharded checkpoint."""
+    index = draft_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
+        except (OSError, json.JSONDecodeError, AttributeError):
+            raise ContractError("bad_safetensors", f"{index} is not a valid safetensors index") from None
+        if not isinstance(weight_map, dict):
+            raise ContractError("bad_safetensors", f"{index} has no weight_map")
+        key = _fc_key(weight_map, index)
+        shard = draft_dir / str(weight_map[key])
+        return _fc_shape_from_file(shard, key), shard
+    single = draft_dir / "model.safetensors"
+    if not single.is_file():
+        found = sorted(p.name for p in draft_dir.glob("*.safetensors"))
+        if len(found) != 1:
+            raise ContractError(
+                "bad_safetensors",
+                f"drafter weights not found in {draft_dir}: expected model.safetensors or "
+                f"model.safetensors.index.json (found {found or 'no .safetensors files'})",
+            )
+        single = draft_dir / found[0]
+    key = _fc_key(read_safetensors_header(single), single)
+    return _fc_shape_from_file(single, key), single
+
+
+def _fc_key(names: dict[str, Any], where: Path) -> str:
+    if "fc.weight" in names:
+        return "fc.weight"
+    candidates = [k for k in names if k.endswith(".fc.weight")]
+    if len(candidates) == 1:
+        return candidates[0]
+    raise ContractError(
+        "bad_safetensors", f"{where} names no fc.weight tensor: is this a DFlash drafter checkpoint?"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# The contract
+
+
+def load_contract(target_dir: str | Path, draft_dir: str | Path, *, check: bool = True) -> HiddenContract:
+    """Read both models' files and state the hidden-state contract.
+
+    With ``check`` (the default) the expected capture width must equal the drafter's ``fc``
+    input width, else :class:`ContractError` ``fc_width_mismatch``; ``check=False`` returns the
+    contract anyway (probes report the numbers themselves).
+    """
+    target_dir, draft_dir = Path(target_dir), Path(draft_dir)
+    target_cfg = _read_config(target_dir, "target")
+    tpath = target_dir / "config.json"
+    text = target_cfg.get("text_config")
+    text = text if isinstance(text, dict) else target_cfg  # Qwen3.5/3.6 nest the LM config
+    hidden = _int_field(tpath, text.get("hidden_size", target_cfg.get("hidden_size")), "hidden_size")
+    layers = _int_field(
+        tpath, text.get("num_hidden_layers", target_cfg.get("num_hidden_layers")), "num_hidden_layers"
+    )
+    assert hidden is not None and layers is not None
+
+    draft_cfg = _read_config(draft_dir, "draft")
+    dpath = draft_dir / "config.json"
+    dflash = draft_cfg.get("dflash_config") or {}
+    if not isinstance(dflash, dict):
+        raise ContractError("bad_config", f"{dpath}: dflash_config must be a JSON object")
+
+    def pick(name: str) -> Any:
+        return dflash.get(name, draft_cfg.get(name))
+
+    draft_hidden = _int_field(dpath, draft_cfg.get("hidden_size"), "hidden_size")
+    draft_layers = _int_field(dpath, draft_cfg.get("num_hidden_layers"), "num_hidden_layers", required=False)
+    block_size = _int_field(dpath, pick("block_size"), "block_size (dflash_config or top level)", minimum=2)
+    mask_token_id = _int_field(dpath, pick("mask_token_id"), "mask_token_id", minimum=0, required=False)
+    declared_target_layers = _int_field(dpath, pick("num_target_layers"), "num_target_layers", required=False)
+    assert draft_hidden is not None and block_size is not None
+
+    warnings: list[str] = []
+    ids_raw = pick("target_layer_ids")
+    if ids_raw is None:
+        if draft_layers is None:
+            raise ContractError(
+                "bad_config",
+                f"{dpath} has neither dflash_config.target_layer_ids nor num_hidden_layers: "
+                "cannot tell which target layers to capture",
+            )
+        ids = build_target_layer_ids(layers, draft_layers)
+        warnings.append(f"no target_layer_ids in {dpath}; using SGLang's default {ids}")
+    else:
+        if not (
+            isinstance(ids_raw, list)
+            and ids_raw
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in ids_raw)
+        ):
+            raise ContractError(
+                "bad_config",
+                f"{dpath}: target_layer_ids must be a non-empty list of integers, got {ids_raw!r}",
+            )
+        ids = [int(i) for i in ids_raw]
+    bad = [i for i in ids if not 0 <= i < layers]
+    if bad:
+        raise ContractError(
+            "layer_ids_out_of_range",
+            f"drafter captures target layers {ids} but the target ({tpath}) has {layers} layers "
+            f"(valid ids 0..{layers - 1}); out of range: {bad}. Is this drafter made for this target?",
+            target_layer_ids=ids,
+            target_num_layers=layers,
+        )
+    if declared_target_layers is not None and declared_target_layers != layers:
+        warnings.append(
+            f"drafter was made for a {declared_target_layers}-layer target, this target has {layers} layers"
+        )
+
+    (fc_out, fc_in), fc_file = _find_fc_weight(draft_dir)
+    if fc_out != draft_hidden:
+        raise ContractError(
+            "fc_width_mismatch",
+            f"drafter fc.weight in {fc_file} is [{fc_out}, {fc_in}] but its config says hidden_size "
+            f"{draft_hidden}: the checkpoint and its config.json do not belong together",
+            fc_out_features=fc_out,
+            draft_hidden_size=draft_hidden,
+        )
+    contract = HiddenContract(
+        target_hidden_size=hidden,
+        target_num_layers=layers,
+        target_layer_ids=tuple(ids),
+        block_size=block_size,
+        draft_hidden_size=draft_hidden,
+        fc_in_features=fc_in,
+        mask_token_id=mask_token_id,
+        hybrid=_is_hybrid(target_cfg, text),
+        warnings=tuple(warnings),
+    )
+    if check and contract.capture_width != fc_in:
+        raise ContractError(
+            "fc_width_mismatch",
+            f"drafter fc expects [N, {fc_in}] but the target captures [N, {contract.capture_width}] "
+            f"({len(ids)} target layers x {hidden}){_width_hint(fc_in, hidden, len(ids))}",
+            expected=fc_in,
+            capture_width=contract.capture_width,
+        )
+    return contract
+
+
+def _width_hint(fc_in: int, hidden: int, n_ids: int) -> str:
+    if fc_in % hidden == 0:
+        return (
+            f": the drafter was trained on {fc_in // hidden} layers of a {hidden}-wide target but its "
+            f"config lists {n_ids} target_layer_ids"
+        )
+    return (
+        f": {fc_in} is not a multiple of the target's hidden size {hidden}; "
+        "is this drafter made for this target?"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Live tensors
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _same_device(actual: Any, wanted: Any) -> bool:
+    # "cuda" names whichever CUDA device; "cuda:1" names one.
+    a, w = str(actual), str(wanted)
+    return a == w or (":" not in w and a.split(":")[0] == w)
+
+
+def check_hidden_states(
+    hidden: Any,
+    contract: HiddenContract,
+    *,
+    num_tokens: int | None = None,
+    dtype: Any = None,
+    device: Any = None,
+) -> None:
+    """Check a live target hidden tensor ``[N, capture_width]`` before it reaches the drafter."""
+    width = contract.capture_width
+    layers, h = len(contract.target_layer_ids), contract.target_hidden_size
+    if hidden is None:
+        raise ContractError(
+            "hidden_states_missing",
+            f"drafter expects target hidden states [N, {width}] ({layers} target layers x {h}) but got None: "
+            "the target did not capture auxiliary hidden states; is the algorithm treated as DFlash-family "
+            "(set_dflash_layers_to_capture, capture mode FULL)?",
+            expected=width,
+        )
+    shape = tuple(int(s) for s in getattr(hidden, "shape", ()))
+    shown = "[" + ", ".join(str(s) for s in shape) + "]"
+    if len(shape) != 2:
+        raise ContractError(
+            "hidden_width_mismatch",
+            f"drafter expects a 2-D tensor [N, {width}] ({layers} target layers x {h}) but got {shown}",
+            expected=width,
+            observed_shape=list(shape),
+        )
+    observed = shape[1]
+    if observed != width:
+        if observed == h:
+            why = "the target captured no auxiliary layers; is the algorithm treated as DFlash-family?"
+        elif observed % h == 0:
+            why = (
+                f"the target captured {observed // h} layers instead of {layers}; "
+                "do the target_layer_ids given to the target match the drafter's?"
+            )
+        else:
+            why = f"{observed} is not a multiple of the target hidden size {h}; wrong target model?"
+        raise ContractError(
+            "hidden_width_mismatch",
+            f"drafter expects [N, {width}] ({layers} target layers x {h}) but got [N, {observed}]: {why}",
+            expected=width,
+            observed=observed,
+        )
+    if num_tokens is not None and shape[0] != num_tokens:
+        raise ContractError(
+            "hidden_width_mismatch",
+            f"expected hidden states for {num_tokens} tokens [{num_tokens}, {width}] but got {shown}: "
+            "the capture does not line up with the batch (tree gather index or extend lengths wrong?)",
+            expected_tokens=num_tokens,
+            observed_tokens=shape[0],
+        )
+    if dtype is not None and _dtype_name(getattr(hidden, "dtype", None)) != _dtype_name(dtype):
+        raise ContractError(
+            "hidden_dtype_mismatch",
+            f"target hidden states are {_dtype_name(hidden.dtype)} "
+            f"but the drafter runs in {_dtype_name(dtype)}",
+        )
+    if device is not None and not _same_device(getattr(hidden, "device", None), device):
+        raise ContractError(
+            "hidden_device_mismatch",
+            f"target hidden states are on {hidden.device} but the drafter is on {device}",
+        )
