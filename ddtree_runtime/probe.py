@@ -350,13 +350,20 @@ def _parse_expect(items: list[str]) -> dict[str, str]:
     return out
 
 
+def _timed(report_fn, *args, **kwargs) -> Report:
+    started = time.monotonic()
+    report = report_fn(*args, **kwargs)
+    report.figures["probe_seconds"] = round(time.monotonic() - started, 3)
+    return report
+
+
 def _run_static(args: argparse.Namespace) -> int:
-    return _emit(static_probe(args.model_path, args.draft_model_path), args)
+    return _emit(_timed(static_probe, args.model_path, args.draft_model_path), args)
 
 
 def _run_live(args: argparse.Namespace) -> int:
     try:
-        report = live_probe(args.url, timeout=args.timeout, min_accept_length=args.min_accept_length,
+        report = _timed(live_probe, args.url, timeout=args.timeout, min_accept_length=args.min_accept_length,
                             prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                             request_timeout=args.request_timeout, expect=_parse_expect(args.expect))
     except _ProbeInputError as exc:
