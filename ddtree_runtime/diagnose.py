@@ -65,6 +65,7 @@ _RULES: tuple[_Rule, ...] = (
             r"DFLASH target_hidden feature dim mismatch",
             r"DFLASH fc\.weight shape mismatch",
             r"drafter expects \[N, *\d+\].*but got",
+            r"expects \[N, *\d+\] but the target captures",
             r"\bhidden_width_mismatch\b",
             r"\bfc_width_mismatch\b",
         ),
@@ -79,6 +80,7 @@ _RULES: tuple[_Rule, ...] = (
         _rx(
             r"requires target hidden states, but got None",
             r"target aux hidden capture.*got None",
+            r"expects target hidden states.*but got None",
             r"\bhidden_states_missing\b",
         ),
         "the target forward returned no hidden states for the drafter (capture not enabled in this build)",
@@ -129,7 +131,7 @@ CAUSES: tuple[str, ...] = tuple(rule.cause for rule in _RULES)
 
 _NUMBERS = re.compile(r"mem_fraction_static=([0-9.]+)")
 _RESTARTS = re.compile(r"restart counter is at (\d+)")
-_WIDTHS = re.compile(r"\[N, *(\d+)\].*?got.*?\[?(?:N, *)?(\d+)\]?")
+_WIDTHS = re.compile(r"\[N, *(\d+)\].*?(?:got|captures).*?\[?(?:N, *)?(\d+)\]?")
 
 
 def _detail(cause: str, line: str, matches: list[str]) -> str:

@@ -88,7 +88,7 @@ def static_probe(model_path: str, draft_model_path: str) -> Report:
     from ddtree_runtime.contract import ContractError, load_contract
 
     try:
-        contract = load_contract(model_path, draft_model_path)
+        contract = load_contract(model_path, draft_model_path, check=False)  # we report the widths
     except ContractError as exc:
         cause = getattr(exc, "cause", "bad_config")
         report.check("contract", False, f"{exc} [{cause}]", _CONTRACT_CAUSE.get(cause, cause))
@@ -102,10 +102,11 @@ def static_probe(model_path: str, draft_model_path: str) -> Report:
         "expected_hidden_width": contract.capture_width,
         "draft_fc_in_features": contract.fc_in_features,
     }
-    report.check("contract", True, f"{len(contract.target_layer_ids)} target layers x "
-                 f"{contract.target_hidden_size} = {contract.capture_width} = drafter fc in_features")
+    report.check("contract", True, f"configs and drafter fc.weight header read; "
+                 f"warnings: {'; '.join(contract.warnings) or 'none'}")
     report.check("capture_width", contract.capture_width == contract.fc_in_features,
-                 f"capture width {contract.capture_width}, drafter fc in_features {contract.fc_in_features}",
+                 f"target captures [N, {contract.capture_width}] ({len(contract.target_layer_ids)} layers x "
+                 f"{contract.target_hidden_size}), drafter fc expects [N, {contract.fc_in_features}]",
                  "hidden_width_mismatch")
     report.check("block_size", contract.block_size >= 2,
                  f"block_size {contract.block_size} (the tree needs a horizon of at least 1)", "bad_config")

@@ -58,6 +58,13 @@ def test_other_spellings_of_the_same_failures():
     (found,) = scan(text)
     assert found.cause == "hidden_width_mismatch"
     assert "expected width 25600, got 5120" in found.summary
+    # ddtree_runtime.contract's own texts (ContractError in the plugin's guards)
+    (found,) = scan("ContractError: drafter fc expects [N, 25600] but the target captures [N, 5120] "
+                    "(1 target layers x 5120)")
+    assert found.cause == "hidden_width_mismatch" and "expected width 25600, got 5120" in found.summary
+    (found,) = scan("ContractError: drafter expects target hidden states [N, 25600] (5 target layers x 5120) "
+                    "but got None: the target did not capture auxiliary hidden states")
+    assert found.cause == "hidden_states_missing"
 
 
 def test_clean_journal_has_no_findings():
