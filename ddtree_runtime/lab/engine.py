@@ -1,0 +1,425 @@
+"""Lab decoding with a KV cache: autoregressive, DFlash chain and DDTree; greedy and T > 0; batched.
+
+The speculative round is the real one: draft block [bonus, MASK x L] -> draft logits -> tree
+(`ddtree_runtime.tree.build_tree`; DFlash = the argmax chain) -> one target forward over root + nodes with
+ancestor-only visibility -> contract guard on the captured hidden states -> walk (greedy or the lossless
+sampling walk) -> `commit_plan` moves the accepted K/V rows -> the accepted rows' features feed the drafter.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ddtree_runtime.contract import ContractError, HiddenContract, check_hidden_states, load_contract
+from ddtree_runtime.lab.models import KVCache, causal_mask, load_draft, load_target
+from ddtree_runtime.lab.tokenizer import LabTokenizer
+from ddtree_runtime.tree import DraftTree, build_tree, commit_plan, compile_tree, walk_greedy, walk_sample
+
+ALGORITHMS = ("NONE", "DFLASH", "DDTREE")
+FAULTS = ("capture_predicate", "hidden_none")
+
+
+class HiddenStateError(RuntimeError):
+    """The target's captured hidden states break the drafter's contract (SGLang's wording + ours)."""
+
+    def __init__(self, message: str, cause: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> SamplingParams:
+        """SGLang's sampling_params; raises ValueError naming the bad field."""
+        d = dict(d or {})
+        unknown = sorted(set(d) - set(cls.__dataclass_fields__) - _IGNORED_SAMPLING_KEYS)
+        if unknown:
+            raise ValueError(f"Unknown sampling parameter(s): {', '.join(unknown)}")
+        d = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        if "stop_token_ids" in d:
+            d["stop_token_ids"] = tuple(int(t) for t in (d["stop_token_ids"] or ()))
+        params = cls(**d)
+        if not isinstance(params.max_new_tokens, int) or params.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be a non-negative integer, got {params.max_new_tokens!r}")
+        if not isinstance(params.temperature, int | float) or params.temperature < 0:
+            raise ValueError(f"temperature must be non-negative, got {params.temperature!r}")
+        if not 0 < params.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {params.top_p!r}")
+        if params.top_k == 0 or params.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disabled) or at least 1, got {params.top_k!r}")
+        return params
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+_IGNORED_SAMPLING_KEYS = {"min_new_tokens", "repetition_penalty", "frequency_penalty", "presence_penalty",
+                          "stop", "skip_special_tokens", "n", "min_p", "no_stop_trim"}  # fmt: skip
+
+
+@dataclass
+class GenerationResult:
+    output_ids: list[int]
+    finish_reason: dict
+    prompt_tokens: int
+    verify_ct: int = 0  # speculative rounds this request took part in
+    accepted_sum: int = 0  # sum of tau (accepted drafts + bonus) over those rounds
+    accept_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def accept_length(self) -> float:
+        return self.accepted_sum / self.verify_ct if self.verify_ct else 0.0
+
+
+@dataclass
+class EngineStats:
+    verify_ct: int = 0
+    accepted_sum: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    observed_hidden_width: int | None = None
+    last_accept_length: float = 0.0
+
+
+class LabEngine:
+    def __init__(
+        self,
+        target_dir: str | Path,
+        draft_dir: str | Path | None = None,
+        *,
+        algorithm: str = "NONE",
+        budget: int = 16,
+        topk_cap: int | None = None,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        fault: str | None = None,
+        seed: int = 0,
+    ) -> None:
+        algorithm = algorithm.upper()
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"Unknown speculative algorithm name: {algorithm}. Choose one of {ALGORITHMS}.")
+        if fault is not None and fault not in FAULTS:
+            raise ValueError(f"unknown engine fault {fault!r}; choose one of {FAULTS}")
+        self.algorithm, self.budget, self.topk_cap = algorithm, int(budget), topk_cap
+        self.device, self.fault = torch.device(device), fault
+        self.tokenizer = LabTokenizer()
+        self.target = load_target(target_dir, device=device, dtype=dtype)
+        self.contract: HiddenContract | None = None
+        self.draft = None
+        if algorithm != "NONE":
+            if draft_dir is None:
+                raise ValueError(f"--speculative-draft-model-path is required for {algorithm}")
+            # The contract first: a drafter made for another target fails here with the numbers.
+            self.contract = load_contract(target_dir, draft_dir)
+            self.draft = load_draft(draft_dir, self.target.cfg.hidden_size, device=device, dtype=dtype)
+            self.layer_ids = tuple(self.contract.target_layer_ids)
+            self.block_size = int(self.contract.block_size)
+            self.mask_id = int(self.contract.mask_token_id if self.contract.mask_token_id is not None else 0)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.stats = EngineStats()
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """SGLang's speculative_num_draft_tokens: tokens per verify row block."""
+        if self.algorithm == "DDTREE":
+            return self.budget + 1
+        return self.block_size if self.algorithm == "DFLASH" else 1
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationResult]:
+        if len(prompts) != len(params):
+            raise ValueError("one SamplingParams per prompt")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        results = [GenerationResult([], {"type": "length", "length": 0}, len(p)) for p in prompts]
+        self.stats.prompt_tokens += sum(len(p) for p in prompts)
+        todo = [i for i, p in enumerate(params) if p.max_new_tokens > 0]
+        if todo:
+            self._run([prompts[i] for i in todo], [params[i] for i in todo], [results[i] for i in todo])
+        self.stats.generated_tokens += sum(r.completion_tokens for r in results)
+        return results
+
+    # ------------------------------------------------------------------ decoding loop
+
+    def _run(self, prompts: list[list[int]], params: list[SamplingParams], results: list[GenerationResult]):
+        dev = self.device
+        b = len(prompts)
+        lens = torch.tensor([len(p) for p in prompts], device=dev)
+        n = int(lens.max())
+        rows_per_round = self.num_draft_tokens + (self.block_size if self.draft is not None else 1)
+        capacity = n + max(p.max_new_tokens for p in params) + rows_per_round + 2
+        cache = self.target.new_cache(b, capacity)
+        ids = torch.zeros((b, n), dtype=torch.long, device=dev)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.tensor(p, device=dev)
+        positions = torch.arange(n, device=dev)[None].expand(b, -1)
+        logits, feats = self._target_forward(
+            ids, positions, causal_mask(n, dev)[None].expand(b, -1, -1), cache, positions, lens, "prefill"
+        )
+        last = logits.gather(1, (lens - 1)[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]
+        roots = self._decide(last[:, None], params)[:, 0]
+        live = list(range(b))
+        outputs: list[list[int]] = [[] for _ in range(b)]
+        for r in range(b):
+            outputs[r].append(int(roots[r]))
+        draft_state = None
+        if self.draft is not None:
+            draft_state = _DraftState(self.draft, b, capacity, self.target.lm_head.weight)
+            draft_state.pending = (feats, lens.clone())
+        while True:
+            done = [r for j, r in enumerate(live) if self._finished(outputs[r], params[r])]
+            if done:
+                keep = [j for j, r in enumerate(live) if r not in done]
+                live = [live[j] for j in keep]
+                if not live:
+                    break
+                sel = torch.tensor(keep, device=dev)
+                cache.select(sel)
+                lens, roots = lens[sel], roots[sel]
+                if draft_state is not None:
+                    draft_state.select(sel)
+            live_params = [params[r] for r in live]
+            if self.draft is None:
+                emitted, nums, lens = self._ar_round(cache, lens, roots, live_params)
+            else:
+                emitted, nums, lens = self._spec_round(cache, draft_state, lens, roots, live_params)
+                for j, r in enumerate(live):
+                    results[r].verify_ct += 1
+                    results[r].accepted_sum += int(nums[j])
+                    results[r].accept_lengths.append(int(nums[j]))
+            roots = emitted.gather(1, (nums - 1)[:, None])[:, 0]
+            for j, r in enumerate(live):
+                outputs[r].extend(emitted[j, : int(nums[j])].tolist())
+        for r in range(b):
+            results[r].output_ids, results[r].finish_reason = self._truncate(outputs[r], params[r])
+
+    def _finished(self, out: list[int], p: SamplingParams) -> bool:
+        if len(out) >= p.max_new_tokens:
+            return True
+        return bool(self._stop_ids(p).intersection(out))
+
+    def _stop_ids(self, p: SamplingParams) -> set[int]:
+        stops = set(p.stop_token_ids)
+        if not p.ignore_eos:
+            stops.add(self.tokenizer.eos_token_id)
+        return stops
+
+    def _truncate(self, out: list[int], p: SamplingParams) -> tuple[list[int], dict]:
+        stops = self._stop_ids(p)
+        for i, t in enumerate(out[: p.max_new_tokens]):
+            if t in stops:
+                return out[: i + 1], {"type": "stop", "matched": t}
+        out = out[: p.max_new_tokens]
+        return out, {"type": "length", "length": len(out)}
+
+    # ------------------------------------------------------------------ rounds
+
+    def _ar_round(self, cache: KVCache, lens: Tensor, roots: Tensor, params: list[SamplingParams]):
+        b = lens.shape[0]
+        span = int(lens.max()) + 1
+        allowed = (torch.arange(span, device=self.device)[None] <= lens[:, None])[:, None, :]
+        logits, _ = self._target_forward(
+            roots[:, None], lens[:, None], allowed, cache, lens[:, None], torch.ones_like(lens), None
+        )
+        nxt = self._decide(logits, params)
+        return nxt, torch.ones(b, dtype=torch.long, device=self.device), lens + 1
+
+    def _spec_round(self, cache: KVCache, ds: _DraftState, lens: Tensor, roots: Tensor, params):
+        draft_logits = ds.propose(lens, roots, self.target.model.embed_tokens, self.block_size, self.mask_id)
+        if self.algorithm == "DDTREE":
+            tree = build_tree(draft_logits, self.budget, topk_cap=self.topk_cap)
+        else:
+            tree = _chain_tree(draft_logits)
+        vin = compile_tree(tree, roots, lens)
+        b, rows = vin.input_ids.shape
+        span = int(lens.max()) + rows
+        col = torch.arange(span, device=self.device)
+        rel = col[None] - lens[:, None]  # [b, span] row relative to the prefix
+        in_tree = (rel >= 0) & (rel < rows)
+        vis = vin.visibility.gather(2, rel.clamp(0, rows - 1)[:, None, :].expand(b, rows, span))
+        allowed = (rel < 0)[:, None, :] | (vis & in_tree[:, None, :])
+        write_rows = lens[:, None] + torch.arange(rows, device=self.device)[None]
+        counts = torch.full_like(lens, rows)
+        logits, feats = self._target_forward(
+            vin.input_ids, vin.positions, allowed, cache, write_rows, counts, "verify"
+        )
+        if all(p.greedy for p in params):
+            walk = walk_greedy(tree, logits)
+        else:
+            walk = walk_sample(tree, self._probs(logits, params), generator=self.generator)
+        plan = commit_plan(walk, lens)
+        src = torch.where(plan.src_loc >= 0, plan.src_loc, lens[:, None])
+        dst = torch.where(plan.dst_loc >= 0, plan.dst_loc, lens[:, None])
+        cache.move_rows(src, dst)
+        acc = walk.accepted.clamp(min=0)
+        ds.pending = (feats.gather(1, acc[:, :, None].expand(-1, -1, feats.shape[-1])), walk.num_accepted)
+        self.stats.verify_ct += b
+        self.stats.accepted_sum += int(walk.num_accepted.sum())
+        self.stats.last_accept_length = float(walk.num_accepted.float().mean())
+        return walk.emitted, walk.num_emitted, plan.new_len
+
+    # ------------------------------------------------------------------ target + guard
+
+    def _target_forward(self, ids, positions, allowed, cache, rows, counts, phase: str | None):
+        """One target forward; with a drafter, the captured features pass the contract guard first."""
+        capture = self.layer_ids if (self.draft is not None and phase is not None) else ()
+        logits, captured = self.target(
+            ids, positions, allowed, cache=cache, rows=rows, capture_layer_ids=capture
+        )
+        if not capture:
+            return logits, None
+        n = ids.shape[1]
+        feats: Tensor | None = torch.cat(captured, dim=-1)
+        if self.fault == "capture_predicate":
+            feats = captured[-1]  # the field bug: one layer's [N, H] instead of the k layers' [N, k*H]
+        elif self.fault == "hidden_none":
+            feats = None
+        # Flat [N, width] over the real tokens, as SGLang hands it to the drafter.
+        real = torch.arange(n, device=self.device)[None] < counts[:, None]
+        flat = None if feats is None else feats[real]
+        self._check_hidden(flat, phase)
+        return logits, feats
+
+    def _check_hidden(self, hidden: Tensor | None, phase: str) -> None:
+        assert self.contract is not None
+        try:
+            check_hidden_states(hidden, self.contract)
+        except ContractError as exc:
+            if hidden is not None and hidden.dim() == 2:
+                self.stats.observed_hidden_width = int(hidden.shape[-1])
+            raise HiddenStateError(f"{self._sglang_wording(hidden, phase, exc)} [{exc}]", exc.cause) from exc
+        self.stats.observed_hidden_width = int(hidden.shape[-1])
+
+    def _sglang_wording(self, hidden: Tensor | None, phase: str, exc: ContractError) -> str:
+        if hidden is None:
+            if phase == "prefill":
+                return "DFLASH requires target aux hidden capture for prefill, but got None."
+            return "DFLASH verify requires target hidden states, but got None."
+        c = self.contract
+        return (
+            "DFLASH target_hidden feature dim mismatch. "
+            f"Expected shape [N, {c.fc_in_features}] (num_context_features={len(c.target_layer_ids)}, "
+            f"hidden_size={c.draft_hidden_size}), but got shape={tuple(hidden.shape)}. "
+            "This usually means the target model is capturing a different number of layer features than "
+            "the draft checkpoint/config expects."
+        )
+
+    # ------------------------------------------------------------------ sampling
+
+    def _probs(self, logits: Tensor, params: list[SamplingParams]) -> Tensor:
+        """Processed target probabilities per request; greedy rows are one-hot (the walk is then exact)."""
+        logits = logits.float()
+        out = torch.empty_like(logits)
+        for j, p in enumerate(params):
+            row = logits[j]
+            if p.greedy:
+                out[j] = torch.nn.functional.one_hot(row.argmax(-1), row.shape[-1]).float()
+                continue
+            row = row / p.temperature
+            if p.top_k > 0:
+                kth = row.topk(min(p.top_k, row.shape[-1]), dim=-1).values[..., -1:]
+                row = row.masked_fill(row < kth, float("-inf"))
+            probs = torch.softmax(row, dim=-1)
+            if p.top_p < 1:
+                sorted_p, order = probs.sort(dim=-1, descending=True)
+                drop = sorted_p.cumsum(-1) - sorted_p > p.top_p
+                sorted_p = sorted_p.masked_fill(drop, 0.0)
+                probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+                probs = probs / probs.sum(-1, keepdim=True)
+            out[j] = probs
+        return out
+
+    def _decide(self, logits: Tensor, params: list[SamplingParams]) -> Tensor:
+        """Next token per row of logits [b, n, V] under each request's sampling params."""
+        if all(p.greedy for p in params):
+            return logits.argmax(-1)
+        probs = self._probs(logits, params)
+        b, n, v = probs.shape
+        return torch.multinomial(probs.reshape(b * n, v), 1, generator=self.generator).reshape(b, n)
+
+
+class _DraftState:
+    """The drafter's context K/V cache (projected target features of committed tokens, per layer)."""
+
+    def __init__(self, draft, batch: int, capacity: int, lm_head_weight: Tensor) -> None:
+        cfg = draft.cfg
+        self.draft = draft
+        self.cache = KVCache(
+            cfg.num_hidden_layers, batch, cfg.num_key_value_heads, cfg.head_dim, capacity, lm_head_weight
+        )
+        self.lens = torch.zeros(batch, dtype=torch.long, device=lm_head_weight.device)
+        self.lm_head_weight = lm_head_weight
+        self.pending: tuple[Tensor, Tensor] | None = None  # (features [b, m, k*H], counts [b])
+
+    def select(self, keep: Tensor) -> None:
+        self.cache.select(keep)
+        self.lens = self.lens[keep]
+        if self.pending is not None:
+            self.pending = (self.pending[0][keep], self.pending[1][keep])
+
+    def propose(self, lens: Tensor, roots: Tensor, embed, block_size: int, mask_id: int) -> Tensor:
+        """Append the pending context, run the block [root, MASK x L]; draft logits [b, L, V]."""
+        feats, counts = self.pending
+        b, m, _ = feats.shape
+        positions = self.lens[:, None] + torch.arange(m, device=feats.device)[None]
+        kv = self.draft.context_kv(self.draft.project(feats), positions)
+        for i, (k, v) in enumerate(kv):
+            self.cache.write(i, positions, k, v)
+        self.lens = self.lens + counts
+        self.pending = None
+        if not torch.equal(self.lens, lens):
+            raise RuntimeError(f"draft context {self.lens.tolist()} out of step with target {lens.tolist()}")
+        span = int(self.lens.max())
+        context = [self.cache.view(i, span) for i in range(len(kv))]
+        valid = torch.arange(span, device=feats.device)[None] < self.lens[:, None]
+        block = torch.full((b, block_size), mask_id, dtype=torch.long, device=feats.device)
+        block[:, 0] = roots
+        block_pos = lens[:, None] + torch.arange(block_size, device=feats.device)[None]
+        hidden = self.draft(embed(block), block_pos, context, valid)
+        return hidden[:, 1:] @ self.lm_head_weight.T
+
+
+def _chain_tree(draft_logits: Tensor) -> DraftTree:
+    """DFlash: the draft's argmax at every depth, one chain of L nodes (node d at depth d)."""
+    b, horizon, _ = draft_logits.shape
+    logp = torch.log_softmax(draft_logits.float(), dim=-1)
+    top, tokens = logp.max(dim=-1)
+    dev = draft_logits.device
+    depths = torch.arange(1, horizon + 1, device=dev)[None].expand(b, -1).clone()
+    parents = torch.arange(-1, horizon, device=dev)[None].expand(b, -1).clone()
+    return DraftTree(
+        tokens=tokens,
+        depths=depths,
+        parents=parents,
+        scores=top.cumsum(dim=-1),
+        num_nodes=torch.full((b,), horizon, dtype=torch.long, device=dev),
+        horizon=horizon,
+    )
+
+
+def timed_generate(engine: LabEngine, prompts, params) -> tuple[list[GenerationResult], float]:
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, params)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
