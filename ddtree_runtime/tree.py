@@ -13,6 +13,7 @@ name instead. This module imports nothing else of ours.
 from __future__ import annotations
 
 import heapq
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -165,14 +166,22 @@ def _kernel_for(name: str, tensor: Any) -> Callable[..., Any] | None:
 def topk_log_probs(draft_logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Top-``k`` fp32 log-probabilities per depth over the FULL vocabulary, sorted descending.
 
-    Equal log-probs are ordered by ascending token id, so ranks (and thus the tree) are
-    deterministic whatever ``torch.topk`` does with ties.
+    The order is (log-prob descending, token id ascending), also at the cut: among tokens tied
+    with the k-th value the lowest ids are taken. So ranks (and thus the tree) are deterministic
+    whatever ``torch.topk`` does with ties.
     """
     log_probs = torch.log_softmax(draft_logits.float(), dim=-1)
-    values, ids = torch.topk(log_probs, k, dim=-1, largest=True, sorted=True)
-    # Deterministic tie order inside the selected set: by id, then (stably) by value.
-    by_id = torch.argsort(ids, dim=-1, stable=True)
-    values, ids = values.gather(-1, by_id), ids.gather(-1, by_id)
+    kth = torch.topk(log_probs, k, dim=-1, largest=True, sorted=True).values[..., -1:]
+    above = log_probs > kth
+    tied = log_probs == kth
+    room = k - above.sum(dim=-1, keepdim=True)
+    selected = above | (tied & (torch.cumsum(tied, dim=-1) <= room))
+    rows = log_probs.shape[:-1]
+    ids = selected.reshape(-1, log_probs.shape[-1]).nonzero()[:, 1]  # row-major: ids ascending
+    if ids.numel() != k * math.prod(rows):
+        raise ValueError("draft_logits contain NaN: cannot rank the draft tokens")
+    ids = ids.reshape(*rows, k)
+    values = log_probs.gather(-1, ids)
     by_value = torch.argsort(-values, dim=-1, stable=True)
     return values.gather(-1, by_value), ids.gather(-1, by_value)
 
