@@ -1,0 +1,409 @@
+"""`ddtree fleet status|logs` and `ddtree diagnose HOST`: the operator's view of the fleet over SSH.
+
+Controller side (paramiko, ansible-core's inventory API). Hosts, users, ports, keys and the
+host-key policy come from the same Ansible inventory the deploy uses, so `fleet` reaches exactly
+what `ansible-playbook` reaches, with the same trust. Each host answers with one JSON document
+from `fleet_remote.py` (stdlib python3 on the host, sent on stdin).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shlex
+import socket
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddtree_runtime import diagnose
+
+LIVE_UNIT = "sglang-qwen"
+REMOTE_SCRIPT = Path(__file__).with_name("fleet_remote.py")
+
+
+class FleetError(Exception):
+    """A problem the operator fixes (bad inventory, unknown host): exit 2 with this message."""
+
+
+# ---------------------------------------------------------------------------- inventory
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    address: str
+    port: int = 22
+    user: str = "root"
+    key_file: str | None = None
+    known_hosts: tuple[str, ...] = ()
+    strict: str = "yes"            # OpenSSH StrictHostKeyChecking: yes | accept-new | no
+    timeout: float = 10.0
+
+
+def _ssh_options(*arg_strings: str | None) -> dict[str, str]:
+    """`-o Key=Value` pairs from ansible_ssh_common_args / ansible_ssh_extra_args."""
+    opts: dict[str, str] = {}
+    for text in arg_strings:
+        words = shlex.split(text or "")
+        for i, word in enumerate(words):
+            if word == "-o" and i + 1 < len(words):
+                option = words[i + 1]
+            elif word.startswith("-o") and len(word) > 2:
+                option = word[2:]
+            else:
+                continue
+            key, _, value = option.replace(" ", "=", 1).partition("=")
+            opts[key.lower()] = value
+    return opts
+
+
+def _truthy(value: Any) -> bool:
+    return str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+def load_targets(inventory: str, limit: str | None = None, *, timeout: float = 10.0) -> list[Target]:
+    """Hosts of the inventory (after --limit) with their templated connection variables."""
+    from ansible.errors import AnsibleError
+    from ansible.inventory.manager import InventoryManager
+    from ansible.parsing.dataloader import DataLoader
+    from ansible.template import Templar
+    from ansible.vars.manager import VariableManager
+
+    from ansible import constants as C
+
+    if not Path(inventory).exists():
+        raise FleetError(f"inventory {inventory} not found: pass e.g. -i inventories/production")
+    loader = DataLoader()
+    try:
+        inv = InventoryManager(loader=loader, sources=[inventory])
+        if limit:
+            inv.subset(limit)
+        hosts = inv.get_hosts("all")
+    except AnsibleError as exc:
+        raise FleetError(f"inventory {inventory}: {exc}") from exc
+    if not hosts:
+        raise FleetError(f"no host in {inventory} matches --limit {limit!r}" if limit
+                         else f"inventory {inventory} has no hosts")
+    manager = VariableManager(loader=loader, inventory=inv)
+    targets = []
+    for host in hosts:
+        hv = manager.get_vars(host=host, include_hostvars=False)
+        templar = Templar(loader=loader, variables=hv)
+
+        def var(*names: str, default: Any = None, hv: dict = hv, templar: Templar = templar) -> Any:
+            for name in names:
+                if hv.get(name) is not None:
+                    return templar.template(hv[name])
+            return default
+
+        opts = _ssh_options(var("ansible_ssh_common_args"), var("ansible_ssh_extra_args"))
+        checking = var("ansible_host_key_checking", "ansible_ssh_host_key_checking",
+                       default=C.HOST_KEY_CHECKING)
+        strict = opts.get("stricthostkeychecking", "yes" if _truthy(checking) else "no").lower()
+        known = tuple(os.path.expanduser(p) for p in opts.get("userknownhostsfile", "").split() if p)
+        key = var("ansible_ssh_private_key_file", "ansible_private_key_file",
+                  default=C.DEFAULT_PRIVATE_KEY_FILE)
+        targets.append(Target(
+            name=host.name,
+            address=str(var("ansible_host", "ansible_ssh_host", default=host.name)),
+            port=int(var("ansible_port", "ansible_ssh_port", default=opts.get("port") or 22)),
+            user=str(var("ansible_user", "ansible_ssh_user", default=C.DEFAULT_REMOTE_USER or "root")),
+            key_file=os.path.expanduser(str(key)) if key else None,
+            known_hosts=known,
+            strict="no" if strict in ("no", "off", "false") else strict,
+            timeout=timeout,
+        ))
+    return targets
+
+
+# ---------------------------------------------------------------------------- SSH
+
+
+def _connect(t: Target) -> Any:
+    import paramiko
+
+    client = paramiko.SSHClient()
+    client.load_system_host_keys()
+    for path in t.known_hosts:
+        if os.path.exists(path):
+            client.load_host_keys(path)  # also where accept-new saves a first-seen key
+    if t.strict == "no":
+        client.set_missing_host_key_policy(paramiko.WarningPolicy())
+    elif t.strict == "accept-new":
+        client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+    else:
+        client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    client.connect(t.address, port=t.port, username=t.user, key_filename=t.key_file,
+                   timeout=t.timeout, banner_timeout=t.timeout, auth_timeout=t.timeout,
+                   look_for_keys=t.key_file is None, allow_agent=t.key_file is None)
+    if t.strict == "accept-new" and t.known_hosts:
+        client.save_host_keys(t.known_hosts[0])
+    return client
+
+
+def _why_unreachable(t: Target, exc: BaseException) -> str:
+    import paramiko
+
+    where = f"{t.user}@{t.address}:{t.port}"
+    if isinstance(exc, paramiko.BadHostKeyException):
+        return (f"{where}: host key CHANGED (expected {exc.expected_key.get_base64()[:16]}...): "
+                "if the host was rebuilt, remove its old key from known_hosts; otherwise do not connect")
+    if isinstance(exc, paramiko.SSHException) and "not found in known_hosts" in str(exc):
+        files = ", ".join(t.known_hosts) or "~/.ssh/known_hosts"
+        return (f"{where}: host key unknown and StrictHostKeyChecking={t.strict}: "
+                f"check the key and add it to {files} (ssh-keyscan -p {t.port} {t.address})")
+    if isinstance(exc, paramiko.AuthenticationException):
+        return f"{where}: authentication failed with key {t.key_file or '(agent/default keys)'}"
+    if isinstance(exc, socket.timeout | TimeoutError):
+        return f"{where}: timed out after {t.timeout:g} s (host down or filtered?)"
+    if isinstance(exc, ConnectionRefusedError):
+        return f"{where}: connection refused (sshd not running?)"
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{where}: {exc.strerror}"
+    return f"{where}: {type(exc).__name__}: {exc}"
+
+
+def run_remote(t: Target, command: str, stdin_text: str | None = None) -> tuple[int, str, str]:
+    """Run one command on the target; raises on connection problems."""
+    client = _connect(t)
+    try:
+        stdin, stdout, stderr = client.exec_command(command, timeout=max(t.timeout, 60))
+        if stdin_text is not None:
+            stdin.write(stdin_text)
+        stdin.channel.shutdown_write()
+        out, err = stdout.read().decode(errors="replace"), stderr.read().decode(errors="replace")
+        return stdout.channel.recv_exit_status(), out, err
+    finally:
+        client.close()
+
+
+# ---------------------------------------------------------------------------- status
+
+
+@dataclass
+class Row:
+    host: str
+    unit: str
+    reachable: bool
+    error: str | None = None
+    active: str | None = None
+    uptime_seconds: float | None = None
+    restarts: int | None = None
+    profile: str | None = None
+    release: str | None = None
+    deployed_at: str | None = None
+    probe_ok: bool | None = None
+    probe_cause: str | None = None
+    probe_time: float | None = None
+    accept_length: float | None = None
+    gpu_memory: list[dict] | None = field(default=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def rows_from_facts(host: str, facts: dict[str, Any], units: list[str]) -> list[Row]:
+    rows = []
+    for unit in units:
+        u = (facts.get("units") or {}).get(unit) or {}
+        sd, state, probe = u.get("systemd") or {}, u.get("state") or {}, u.get("probe") or {}
+        active = sd.get("active")
+        restarts = sd.get("restarts")
+        if sd.get("loaded") == "not-found":
+            active, restarts = "not-installed", None
+        elif sd.get("sub") and active not in (None, "unknown"):
+            active = f"{active} ({sd['sub']})"
+        rows.append(Row(
+            host=host, unit=unit, reachable=True, active=active, uptime_seconds=sd.get("uptime_seconds"),
+            restarts=restarts, profile=state.get("profile"), release=state.get("release"),
+            deployed_at=state.get("deployed_at"), probe_ok=probe.get("ok"), probe_cause=probe.get("cause"),
+            probe_time=probe.get("time"), accept_length=probe.get("accept_length"),
+            gpu_memory=facts.get("gpus"),
+        ))
+    return rows
+
+
+def host_status(t: Target, units: list[str]) -> list[Row]:
+    command = "python3 - " + " ".join(shlex.quote(u) for u in units)
+    try:
+        rc, out, err = run_remote(t, command, REMOTE_SCRIPT.read_text())
+    except Exception as exc:  # any connection failure is a row, never a crash
+        return [Row(host=t.name, unit=u, reachable=False, error=_why_unreachable(t, exc)) for u in units]
+    try:
+        facts = json.loads(out)
+    except ValueError:
+        reason = f"fact script failed (exit {rc}): {(err or out).strip().splitlines()[-1:] or ['no output']}"
+        return [Row(host=t.name, unit=u, reachable=True, error=reason) for u in units]
+    return rows_from_facts(t.name, facts, units)
+
+
+def fleet_status(targets: list[Target], units: list[str], *, forks: int = 10,
+                 progress: bool = False) -> list[Row]:
+    rows: dict[str, list[Row]] = {}
+    with ThreadPoolExecutor(max_workers=max(1, min(forks, len(targets)))) as pool:
+        futures = {pool.submit(host_status, t, units): t for t in targets}
+        for n, fut in enumerate(as_completed(futures), 1):
+            t = futures[fut]
+            rows[t.name] = fut.result()
+            if progress:
+                print(f"fleet: {t.name} answered ({n}/{len(targets)})", file=sys.stderr, flush=True)
+    return [row for t in targets for row in rows[t.name]]  # inventory order
+
+
+def _age(seconds: float | None) -> str:
+    """3d4h, 2h13m, 5m, 40s: enough for a table."""
+    if seconds is None:
+        return "-"
+    s = max(0, int(seconds))
+    if s >= 86400:
+        return f"{s // 86400}d{s % 86400 // 3600}h"
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60}m"
+    return f"{s // 60}m" if s >= 60 else f"{s}s"
+
+
+def _cell(row: Row, key: str, now: float) -> str:
+    if key == "active":
+        return row.active or "-"
+    if key == "uptime":
+        return _age(row.uptime_seconds)
+    if key == "probe":
+        if row.probe_ok is None:
+            return "-"
+        result = "pass" if row.probe_ok else f"FAIL:{row.probe_cause}"
+        return f"{result} ({_age(now - row.probe_time)} ago)" if row.probe_time else result
+    if key == "accept":
+        return "-" if row.accept_length is None else f"{row.accept_length:.2f}"
+    if key == "gpu":
+        if not row.gpu_memory:
+            return "-" if row.gpu_memory is None else "nvidia-smi failed"
+        return " ".join(f"{g['memory_used_mib'] / 1024:.0f}/{g['memory_total_mib'] / 1024:.0f}G"
+                        for g in row.gpu_memory)
+    value = getattr(row, key)
+    return "-" if value is None else str(value)
+
+
+COLUMNS = (("HOST", "host"), ("UNIT", "unit"), ("STATE", "active"), ("UP", "uptime"),
+           ("RESTARTS", "restarts"), ("PROFILE", "profile"), ("RELEASE", "release"),
+           ("LAST PROBE", "probe"), ("ACCEPT", "accept"), ("GPU MEM", "gpu"))
+
+
+def format_table(rows: list[Row], now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    table = [[title for title, _ in COLUMNS]]
+    notes = []
+    for row in rows:
+        if not row.reachable or row.error:
+            table.append([row.host, row.unit, "UNREACHABLE" if not row.reachable else "ERROR"]
+                         + ["-"] * (len(COLUMNS) - 3))
+            notes.append(f"{row.host}: {row.error}")
+        else:
+            table.append([_cell(row, key, now) for _, key in COLUMNS])
+    widths = [max(len(r[i]) for r in table) for i in range(len(COLUMNS))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in table]
+    return "\n".join(lines + notes)
+
+
+# ---------------------------------------------------------------------------- logs, diagnose
+
+
+def _one_target(args: argparse.Namespace) -> Target:
+    targets = load_targets(args.inventory, args.host, timeout=args.timeout)
+    if len(targets) != 1:
+        raise FleetError(f"{args.host!r} matches {len(targets)} hosts; name one host")
+    return targets[0]
+
+
+def _journal_command(unit: str, lines: int, since: str | None) -> str:
+    cmd = ["journalctl", "-u", f"{unit}.service", "--no-pager", "-o", "short-iso", "-n", str(lines)]
+    cmd += ["--since", since] if since else ["-b"]
+    return " ".join(shlex.quote(c) for c in cmd)
+
+
+def fetch_journal(t: Target, unit: str, lines: int, since: str | None = None) -> str:
+    rc, out, err = run_remote(t, _journal_command(unit, lines, since))
+    if rc != 0:
+        raise FleetError(f"{t.name}: journalctl failed (exit {rc}): {err.strip()}")
+    return out
+
+
+def diagnose_remote(args: argparse.Namespace) -> int:
+    """`ddtree diagnose HOST -i INVENTORY`: the host's journal through the same scan()."""
+    if not args.inventory:
+        print("ddtree diagnose HOST: pass the inventory, e.g. -i inventories/production", file=sys.stderr)
+        return 2
+    args.timeout = getattr(args, "timeout", 10.0)
+    unit = (args.unit or LIVE_UNIT).removesuffix(".service")
+    try:
+        t = _one_target(args)
+        text = fetch_journal(t, unit, args.lines)
+    except FleetError as exc:
+        print(f"ddtree diagnose: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        print(f"ddtree diagnose: {args.host} unreachable: {_why_unreachable(t, exc)}", file=sys.stderr)
+        return 3
+    return diagnose._report(diagnose.scan(text), f"{t.name} journal of {unit}", args.json)
+
+
+def _default_inventory() -> str:
+    return os.environ.get("ANSIBLE_INVENTORY") or "inventories/production"
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    try:
+        targets = load_targets(args.inventory, args.limit, timeout=args.timeout)
+    except FleetError as exc:
+        print(f"ddtree fleet status: {exc}", file=sys.stderr)
+        return 2
+    units = [u.removesuffix(".service") for u in (args.unit or [LIVE_UNIT])]
+    progress = not args.json and sys.stderr.isatty()
+    rows = fleet_status(targets, units, forks=args.forks, progress=progress)
+    if args.json:
+        print(json.dumps({"time": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                          "rows": [r.to_dict() for r in rows]}, indent=2))
+    else:
+        print(format_table(rows))
+    # 0: every host answered; 3: some host could not be reached (the table still lists it)
+    return 0 if all(r.reachable and not r.error for r in rows) else 3
+
+
+def _run_logs(args: argparse.Namespace) -> int:
+    try:
+        t = _one_target(args)
+        sys.stdout.write(fetch_journal(t, args.unit.removesuffix(".service"), args.lines, args.since))
+    except FleetError as exc:
+        print(f"ddtree fleet logs: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        print(f"ddtree fleet logs: {_why_unreachable(t, exc)}", file=sys.stderr)
+        return 3
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("fleet", help="fleet status and logs over SSH (controller side)",
+                              description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="fleet_command", metavar="ACTION", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-i", "--inventory", default=_default_inventory(),
+                        help="Ansible inventory (default $ANSIBLE_INVENTORY or inventories/production)")
+    common.add_argument("--timeout", type=float, default=10.0, help="SSH connect timeout per host (s)")
+    s = sub.add_parser("status", parents=[common], help="a row per host: unit, profile, probe, GPU")
+    s.add_argument("-l", "--limit", help="Ansible host pattern, e.g. ct129 or 'gpu_hosts:!ct130'")
+    s.add_argument("--unit", action="append", help=f"unit(s) to show (default {LIVE_UNIT}; repeatable)")
+    s.add_argument("--forks", type=int, default=10, help="hosts queried in parallel (default 10)")
+    s.add_argument("--json", action="store_true", help="one JSON document instead of the table")
+    s.set_defaults(func=_run_status)
+    lg = sub.add_parser("logs", parents=[common], help="a host's unit journal (this boot)")
+    lg.add_argument("host", help="inventory host name")
+    lg.add_argument("--unit", default=LIVE_UNIT)
+    lg.add_argument("-n", "--lines", type=int, default=200)
+    lg.add_argument("--since", help="journalctl --since value, e.g. '1 hour ago'")
+    lg.set_defaults(func=_run_logs)
