@@ -162,6 +162,9 @@ def _why_unreachable(t: Target, exc: BaseException) -> str:
         return f"{where}: authentication failed with key {t.key_file or '(agent/default keys)'}"
     if isinstance(exc, socket.timeout | TimeoutError):
         return f"{where}: timed out after {t.timeout:g} s (host down or filtered?)"
+    if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError):
+        errors = list(exc.errors.values())  # one per address tried; refused is the telling one
+        exc = next((e for e in errors if isinstance(e, ConnectionRefusedError)), errors[0] if errors else exc)
     if isinstance(exc, ConnectionRefusedError):
         return f"{where}: connection refused (sshd not running?)"
     if isinstance(exc, OSError) and exc.strerror:

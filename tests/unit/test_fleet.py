@@ -1,0 +1,134 @@
+"""fleet: inventory parsing (Ansible's own API), the table, unreachable hosts as rows, the host script."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ddtree_runtime.ops import fleet, fleet_remote
+from ddtree_runtime.ops.fleet import FleetError, Row, Target, load_targets
+
+
+@pytest.fixture
+def inventory(tmp_path: Path) -> Path:
+    inv = tmp_path / "inv"
+    (inv / "group_vars").mkdir(parents=True)
+    (inv / "host_vars").mkdir()
+    (inv / "hosts.yml").write_text("""
+all:
+  vars:
+    keydir: "{{ inventory_dir }}/keys"
+  children:
+    gpu_hosts:
+      hosts:
+        ct129: {ansible_host: 192.0.2.129}
+        ct130: {ansible_host: 192.0.2.130, ansible_port: 2222}
+    lab:
+      hosts:
+        ct131: {ansible_host: 192.0.2.131}
+""")
+    (inv / "group_vars" / "gpu_hosts.yml").write_text("""
+ansible_user: deploy
+ansible_ssh_private_key_file: "{{ keydir }}/id_ed25519"
+ansible_ssh_common_args: >-
+  -o UserKnownHostsFile={{ keydir }}/known_hosts -o StrictHostKeyChecking=accept-new
+""")
+    (inv / "host_vars" / "ct131.yml").write_text("ansible_host_key_checking: false\n")
+    return inv
+
+
+def test_inventory_connection_vars_are_templated_and_honoured(inventory: Path):
+    targets = {t.name: t for t in load_targets(str(inventory), timeout=3)}
+    assert sorted(targets) == ["ct129", "ct130", "ct131"]
+    a, b, c = targets["ct129"], targets["ct130"], targets["ct131"]
+    assert (a.address, a.port, a.user) == ("192.0.2.129", 22, "deploy")
+    assert a.key_file == f"{inventory}/keys/id_ed25519"
+    assert a.known_hosts == (f"{inventory}/keys/known_hosts",) and a.strict == "accept-new"
+    assert (b.port, b.timeout) == (2222, 3)
+    assert c.strict == "no" and c.user == "root" and c.key_file is None  # host_key_checking: false
+
+
+def test_limit_and_bad_inventories(inventory: Path, tmp_path: Path):
+    assert [t.name for t in load_targets(str(inventory), "gpu_hosts:!ct130")] == ["ct129"]
+    with pytest.raises(FleetError, match=r"no host in .* matches --limit 'ct999'"):
+        load_targets(str(inventory), "ct999")
+    with pytest.raises(FleetError, match="not found"):
+        load_targets(str(tmp_path / "missing"))
+
+
+def test_ssh_option_parsing():
+    opts = fleet._ssh_options("-o UserKnownHostsFile=/a/kh -oStrictHostKeyChecking=no", "-o 'Port 2200'")
+    assert opts == {"userknownhostsfile": "/a/kh", "stricthostkeychecking": "no", "port": "2200"}
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_unreachable_host_is_a_row_with_the_reason():
+    down = Target("ct199", "127.0.0.1", port=_closed_port(), timeout=2)
+    rows = fleet.fleet_status([down], ["sglang-qwen", "sglang-qwen-shadow"])
+    assert [(r.host, r.unit, r.reachable) for r in rows] == [
+        ("ct199", "sglang-qwen", False), ("ct199", "sglang-qwen-shadow", False)]
+    assert "connection refused" in rows[0].error
+    table = fleet.format_table(rows)
+    assert "UNREACHABLE" in table and "ct199: root@127.0.0.1:" in table
+
+
+def test_cli_exit_codes_for_bad_input_and_unreachable(tmp_path: Path):
+    inv = tmp_path / "hosts.yml"
+    port = _closed_port()
+    inv.write_text(f"all:\n  hosts:\n    ct199: {{ansible_host: 127.0.0.1, ansible_port: {port}}}\n")
+    run = [sys.executable, "-m", "ddtree_runtime", "fleet", "status", "-i", str(inv), "--timeout", "2"]
+    res = subprocess.run([*run, "--json"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 3, res.stderr
+    (row,) = json.loads(res.stdout)["rows"]
+    assert row["reachable"] is False and "refused" in row["error"]
+    res = subprocess.run([*run, "-l", "nope"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "matches --limit 'nope'" in res.stderr
+
+
+def test_host_script_reads_the_role_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys):
+    root = tmp_path / "ddtree"
+    (root / "state").mkdir(parents=True)
+    (root / "probe").mkdir()
+    (root / "state" / "sglang-qwen.json").write_text(json.dumps(
+        {"unit": "sglang-qwen", "profile": "balanced", "release": "r1",
+         "deployed_at": "2026-11-29T10:00:00Z"}))
+    (root / "probe" / "sglang-qwen.json").write_text(json.dumps(
+        {"probe": "live", "ok": False, "cause": "acceptance_low", "time": 1795946400.0, "message": "m",
+         "figures": {"accept_length": 1.1, "answers": ["long"]}}))
+    monkeypatch.setattr(fleet_remote, "STATE_ROOT", root)
+    fleet_remote.main(["sglang-qwen", "sglang-qwen-shadow"])
+    facts = json.loads(capsys.readouterr().out)
+    live, shadow = facts["units"]["sglang-qwen"], facts["units"]["sglang-qwen-shadow"]
+    assert live["state"]["profile"] == "balanced" and live["probe"]["accept_length"] == 1.1
+    assert "answers" not in live["probe"]  # only what the table needs crosses the wire
+    assert shadow["state"] is None and shadow["probe"] is None
+
+    (row, _) = fleet.rows_from_facts("ct129", facts, ["sglang-qwen", "sglang-qwen-shadow"])
+    assert (row.profile, row.release) == ("balanced", "r1")
+    assert (row.probe_ok, row.probe_cause) == (False, "acceptance_low")
+    line = fleet.format_table([row], now=1795946400.0 + 7260).splitlines()[1]
+    assert "FAIL:acceptance_low (2h1m ago)" in line and "1.10" in line
+
+
+def test_table_shows_state_uptime_and_gpu_memory():
+    gpu = {"index": 0, "name": "NVIDIA H200", "memory_used_mib": 120832, "memory_total_mib": 143771}
+    facts = {"gpus": [gpu],
+             "units": {"sglang-qwen": {"systemd": {"loaded": "loaded", "active": "active", "sub": "running",
+                                                  "restarts": 2, "uptime_seconds": 93784.0},
+                                      "state": {"profile": "shadow-small", "release": "r-9"}, "probe": None}}}
+    (row,) = fleet.rows_from_facts("ct129", facts, ["sglang-qwen"])
+    header, line = fleet.format_table([row]).splitlines()
+    assert header.split()[:3] == ["HOST", "UNIT", "STATE"]
+    for cell in ("active (running)", "1d2h", "shadow-small", "r-9", "118/140G"):
+        assert cell in line
+    assert Row(host="h", unit="u", reachable=True).to_dict()["probe_ok"] is None
