@@ -1,6 +1,143 @@
-"""Triton kernels for the DDTree round (same contract as ddtree_runtime.tree). Placeholder until written."""
+"""Triton kernels for the DDTree round, with the contract of ``ddtree_runtime.tree`` (batched).
+
+``tree.build_tree`` / ``compile_tree`` / ``walk_greedy`` / ``commit_plan`` dispatch here for CUDA
+tensors when :func:`available` says so. Each function launches a fixed number of kernels with
+static output shapes for a given (batch, budget) and never reads device memory from the host, so
+a whole round can be captured in a CUDA graph. ``walk_sample`` and ``verify_attention_mask`` are
+not offered (the plain path runs them; the mask's shape depends on the prefix lengths anyway).
+
+The kernel modules import Triton; this module does not, so ``available()`` is cheap and safe.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from ddtree_runtime.tree import CommitPlan, DraftTree, VerifyInputs, WalkResult
+
+__all__ = ["available", "build_tree", "commit_plan", "compile_tree", "walk_greedy"]
 
 
 def available() -> bool:
     """True when the CUDA kernels can run here (a CUDA device and Triton)."""
-    return False
+    if importlib.util.find_spec("triton") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check_device(t: Tensor, what: str) -> None:
+    if not t.is_cuda and not _interpreting():
+        raise ValueError(
+            f"{what} is on {t.device}: the Triton kernels need CUDA tensors "
+            "(or TRITON_INTERPRET=1 to run them on the CPU); use ddtree_runtime.tree for CPU tensors"
+        )
+
+
+def build_tree(draft_logits: Tensor, budget: int, *, topk_cap: int | None = None) -> DraftTree:
+    """Kernel version of ``tree.build_tree``: top-K + logsumexp launch pair, then one build launch."""
+    from ddtree_runtime import tree
+
+    from .build import build_from_topk
+    from .topk import topk_log_probs
+
+    if draft_logits.dim() != 3:
+        raise ValueError(f"draft_logits must be [batch, L, V], got shape {tuple(draft_logits.shape)}")
+    if not draft_logits.is_floating_point():
+        raise ValueError(f"draft_logits must be a float tensor, got {draft_logits.dtype}")
+    if topk_cap is not None and topk_cap < 1:
+        raise ValueError(f"topk_cap must be >= 1 or None, got {topk_cap}")
+    _check_device(draft_logits, "draft_logits")
+    b, horizon, vocab = draft_logits.shape
+    budget = max(int(budget), 0)
+    if budget == 0 or horizon == 0 or vocab == 0:
+        return tree._empty_tree(b, budget, horizon, draft_logits.device)
+    k = min(budget, vocab, topk_cap or budget)
+    top_lp, top_ids = topk_log_probs(draft_logits, k)
+    tokens, depths, parents, scores, num_nodes = build_from_topk(top_lp, top_ids, budget)
+    return tree.DraftTree(
+        tokens=tokens, depths=depths, parents=parents, scores=scores, num_nodes=num_nodes, horizon=horizon
+    )
+
+
+def compile_tree(draft: DraftTree, root_tokens: Tensor, prefix_lens: Tensor) -> VerifyInputs:
+    """Kernel version of ``tree.compile_tree`` (one launch)."""
+    import torch
+
+    from ddtree_runtime import tree
+
+    from .compile import compile_arrays
+
+    _check_device(draft.tokens, "tree.tokens")
+    dev = draft.tokens.device
+    ids, pos, vis, ridx, next_tok, next_sib = compile_arrays(
+        draft.tokens,
+        draft.depths,
+        draft.parents,
+        draft.horizon,
+        torch.as_tensor(root_tokens, device=dev),
+        torch.as_tensor(prefix_lens, device=dev),
+    )
+    return tree.VerifyInputs(
+        input_ids=ids,
+        positions=pos,
+        visibility=vis,
+        retrieve_index=ridx,
+        retrieve_next_token=next_tok,
+        retrieve_next_sibling=next_sib,
+    )
+
+
+def walk_greedy(draft: DraftTree, target_logits: Tensor) -> WalkResult:
+    """Kernel version of ``tree.walk_greedy``: split-V argmax launch, then one walk launch."""
+    from ddtree_runtime import tree
+
+    from .walk import walk_arrays
+
+    tree._check_rows(draft, target_logits, "target_logits")
+    _check_device(target_logits, "target_logits")
+    acc, num, bonus, emit, num_emit = walk_arrays(draft.tokens, draft.parents, draft.horizon, target_logits)
+    return tree.WalkResult(
+        accepted=acc,
+        num_accepted=num,
+        bonus=bonus,
+        emitted=emit,
+        num_emitted=num_emit,
+        tree_rows=draft.budget + 1,
+    )
+
+
+def commit_plan(
+    walk: WalkResult, prefix_lens: Tensor, *, page_size: int = 1, tree_rows: int | None = None
+) -> CommitPlan:
+    """Kernel version of ``tree.commit_plan`` (one launch)."""
+    import torch
+
+    from ddtree_runtime import tree
+
+    from .walk import commit_arrays
+
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    rows = tree_rows if tree_rows is not None else walk.tree_rows
+    if rows is None:
+        raise ValueError("commit_plan needs the tree size: pass tree_rows=B+1 (walk.tree_rows is unset)")
+    _check_device(walk.accepted, "walk.accepted")
+    fields = commit_arrays(
+        walk.accepted,
+        walk.num_accepted,
+        torch.as_tensor(prefix_lens, device=walk.accepted.device),
+        rows,
+        page_size,
+    )
+    return tree.CommitPlan(page_size=page_size, **fields)
