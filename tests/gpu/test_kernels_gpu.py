@@ -1,0 +1,176 @@
+"""The Triton round on a real GPU: same results as the plain path, dispatch, CUDA graph, no host sync."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+from ddtree_runtime import kernels, tree  # noqa: E402
+
+DEV = "cuda"
+
+
+def assert_same(a, b, what: str = "") -> None:
+    if dataclasses.is_dataclass(a):
+        assert type(a) is type(b)
+        for f in dataclasses.fields(a):
+            assert_same(getattr(a, f.name), getattr(b, f.name), f"{what}.{f.name}")
+    elif isinstance(a, torch.Tensor):
+        assert a.shape == b.shape and a.dtype == b.dtype, what
+        if a.is_floating_point():
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, equal_nan=True, msg=what)
+        else:
+            assert torch.equal(a, b), f"{what}: {a} != {b}"
+    else:
+        assert a == b, what
+
+
+def plain(monkeypatch, fn, *args, **kwargs):
+    with monkeypatch.context() as m:
+        m.setenv("DDTREE_DISABLE_KERNELS", "1")
+        return fn(*args, **kwargs)
+
+
+def full_round(mod, draft, target, roots, prefix, budget, page_size=1, topk_cap=None):
+    t = mod.build_tree(draft, budget, topk_cap=topk_cap)
+    v = mod.compile_tree(t, roots, prefix)
+    w = mod.walk_greedy(t, target)
+    c = mod.commit_plan(w, prefix, page_size=page_size)
+    return t, v, w, c
+
+
+def follow_draft(draft, target, t):
+    """Target argmax = draft argmax chain at most rows, so walks accept several nodes."""
+    horizon = draft.shape[1]
+    chain = draft.float().argmax(-1)
+    row_depth = torch.cat([torch.zeros_like(t.depths[:, :1]), t.depths], 1).clamp(max=horizon - 1)
+    target.scatter_(2, chain.gather(1, row_depth).unsqueeze(-1), 50.0)
+
+
+def test_available_on_cuda():
+    assert kernels.available()
+
+
+@pytest.mark.parametrize(
+    ("batch", "horizon", "vocab", "budget", "dtype", "cap"),
+    [
+        (1, 15, 248320, 64, torch.bfloat16, None),
+        (3, 15, 248320, 256, torch.bfloat16, None),
+        (4, 15, 32000, 16, torch.float32, None),
+        (2, 7, 5000, 1024, torch.float16, None),
+        (2, 15, 9000, 100, torch.bfloat16, 4),
+        (3, 4, 10, 64, torch.float32, None),  # budget > vocab
+        (2, 3, 4, 200, torch.float32, None),  # fewer prefixes than the budget: padding
+    ],
+)
+def test_round_matches_plain_path(monkeypatch, batch, horizon, vocab, budget, dtype, cap):
+    gen = torch.Generator(device=DEV).manual_seed(batch * 1000 + budget)
+    draft = (torch.randn((batch, horizon, vocab), device=DEV, generator=gen) * 3).to(dtype)
+    target = torch.randn((batch, budget + 1, vocab), device=DEV, generator=gen).to(dtype)
+    roots = torch.randint(0, vocab, (batch,), device=DEV, generator=gen)
+    prefix = torch.randint(0, 500, (batch,), device=DEV, generator=gen)
+    follow_draft(draft, target, plain(monkeypatch, tree.build_tree, draft, budget, topk_cap=cap))
+    want = plain(monkeypatch, full_round, tree, draft, target, roots, prefix, budget, 16, cap)
+    got = full_round(tree, draft, target, roots, prefix, budget, 16, cap)  # dispatches to the kernels
+    assert_same(got, want, "round")
+    assert int(got[2].num_accepted.max()) > 1  # the walk really went down the tree
+
+
+@pytest.mark.parametrize("budget", [8, 64, 300])
+def test_exact_ties_match_plain_path(monkeypatch, budget):
+    # Integer logits: many equal log-probs inside each depth's top-K and equal path scores.
+    gen = torch.Generator(device=DEV).manual_seed(budget)
+    vocab = 4096
+    draft = torch.randint(0, 3, (2, 15, vocab), device=DEV, generator=gen).to(torch.bfloat16)
+    draft[..., :600] += 5  # the top-K is strictly inside the 600 raised ids: no boundary ties
+    target = torch.randint(0, 2, (2, budget + 1, vocab), device=DEV, generator=gen).float()
+    roots = torch.zeros(2, dtype=torch.long, device=DEV)
+    prefix = torch.tensor([3, 40], device=DEV)
+    want = plain(monkeypatch, full_round, tree, draft, target, roots, prefix, budget)
+    got = full_round(kernels, draft, target, roots, prefix, budget)
+    assert_same(got, want, "ties")
+
+
+def test_tree_matches_reference_heap():
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    draft = torch.randn((3, 15, 50000), device=DEV, generator=gen).to(torch.bfloat16)
+    t = kernels.build_tree(draft, 200)
+    lp, ids = tree.topk_log_probs(draft, 200)
+    for r in range(3):
+        toks, deps, pars, scores = tree._reference_build_tree(lp[r].tolist(), ids[r].tolist(), 200)
+        assert t.tokens[r].tolist() == toks
+        assert t.depths[r].tolist() == deps
+        assert t.parents[r].tolist() == pars
+        torch.testing.assert_close(t.scores[r].double().cpu(), torch.tensor(scores, dtype=torch.float64))
+
+
+def test_dispatch_goes_to_kernels_on_cuda(monkeypatch):
+    calls = []
+    real = kernels.build_tree
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].device.type)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "build_tree", spy)
+    tree.build_tree(torch.randn(1, 3, 100, device=DEV), 8)
+    tree.build_tree(torch.randn(1, 3, 100), 8)  # CPU: plain path
+    plain(monkeypatch, tree.build_tree, torch.randn(1, 3, 100, device=DEV), 8)
+    assert calls == ["cuda"]
+
+
+def test_round_has_no_host_sync():
+    vocab, budget = 248320, 64
+    draft = torch.randn((2, 15, vocab), device=DEV).to(torch.bfloat16)
+    target = torch.randn((2, budget + 1, vocab), device=DEV).to(torch.bfloat16)
+    roots = torch.zeros(2, dtype=torch.long, device=DEV)
+    prefix = torch.tensor([5, 9], device=DEV)
+    full_round(kernels, draft, target, roots, prefix, budget)  # compile outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        full_round(kernels, draft, target, roots, prefix, budget)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_cuda_graph_replay_with_new_logits(monkeypatch):
+    vocab, budget, batch = 248320, 64, 4
+    gen = torch.Generator(device=DEV).manual_seed(3)
+    draft = torch.empty((batch, 15, vocab), device=DEV, dtype=torch.bfloat16)
+    target = torch.empty((batch, budget + 1, vocab), device=DEV, dtype=torch.bfloat16)
+    roots = torch.zeros(batch, dtype=torch.long, device=DEV)
+    prefix = torch.full((batch,), 100, device=DEV)
+
+    def fresh():
+        d = torch.randn((batch, 15, vocab), device=DEV, generator=gen).to(torch.bfloat16)
+        t = torch.randn((batch, budget + 1, vocab), device=DEV, generator=gen).to(torch.bfloat16)
+        follow_draft(d, t, kernels.build_tree(d, budget))
+        return d, t, torch.randint(0, vocab, (batch,), device=DEV, generator=gen)
+
+    d, t, r = fresh()
+    draft.copy_(d), target.copy_(t), roots.copy_(r)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        full_round(kernels, draft, target, roots, prefix, budget)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = full_round(kernels, draft, target, roots, prefix, budget)
+    for _ in range(3):
+        d, t, r = fresh()
+        draft.copy_(d), target.copy_(t), roots.copy_(r)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = plain(monkeypatch, full_round, tree, d, t, r, prefix, budget)
+        assert_same(static_out, want, "graph")
