@@ -1,0 +1,191 @@
+"""The DDTREE speculative algorithm as SGLang sees it: a ``CustomSpecAlgo`` that is DFlash-family
+by capability, plus its server-argument resolution.
+
+DFlash-family by capability means every predicate SGLang 0.5.23 gates hidden-state capture,
+KV/pool sizing, CUDA graphs and scheduling on answers as it does for DFLASH
+(``is_dflash_family``, ``supports_target_verify_for_draft``, ...). ``is_dflash()`` is True as
+well: its remaining call sites are about the DFlash *drafter* (draft TP geometry, sampling-mask
+thresholds, fused draft KV), which DDTREE uses unchanged. The verify width differs:
+the target verifies budget + 1 tokens per request while the drafter keeps its own block
+(``speculative_dflash_block_size``). ``speculative_num_draft_tokens`` (SGLang's per-request KV
+reservation, which the draft block and the verify both write) is the larger of the two;
+``get_num_tokens_per_req_for_target_verify`` tells the target's and the drafter's widths apart.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from sglang.srt.speculative.spec_registry import CustomSpecAlgo
+
+from ddtree_runtime.sglang_plugin import ALGORITHM
+from ddtree_runtime.sglang_plugin.cli_args import ddtree_args_of
+from ddtree_runtime.sglang_plugin.gates import DDTreeConfigError, check_hybrid, check_refusals
+
+logger = logging.getLogger(__name__)
+
+RESOLUTION_SOURCE = "ddtree_plugin"
+RESOLVED_ATTR = "_ddtree_resolved"
+
+
+class DDTreeSpecAlgo(CustomSpecAlgo):
+    """DDTREE: DFlash drafter, best-first draft tree, one tree-masked target verify."""
+
+    # --- DFlash family: capture, pools, CUDA graphs, scheduler -----------------------------
+    def is_dflash(self) -> bool:
+        return True
+
+    def is_dflash_family(self) -> bool:
+        return True
+
+    def supports_target_verify_for_draft(self) -> bool:
+        return True
+
+    def supports_prefill_shared_read_done(self) -> bool:
+        return True
+
+    def has_draft_kv(self) -> bool:
+        return True
+
+    # --- where DDTREE deliberately differs from DFLASH -------------------------------------
+    def supports_mixed_chunk(self) -> bool:
+        # Mixed chunks put prefill rows beside verify rows; the tree verify path is not audited
+        # for that layout, so SGLang turns mixed chunk off (as for any algorithm answering False).
+        return False
+
+    def supports_ragged_verify(self) -> bool:
+        return False  # every request verifies exactly budget + 1 nodes
+
+    def supports_grammar_overlap(self) -> bool:
+        return False  # the tree walk does not advance a grammar FSM inside verify
+
+    def carries_draft_hidden_states(self) -> bool:
+        return False
+
+    def need_topk(self) -> bool:
+        return False
+
+    def build_disagg_draft_input(self, batch, last_tokens_tensor, future_map):
+        return None  # disaggregated serving is refused at start-up (gates.REFUSALS)
+
+    # --- sizes -----------------------------------------------------------------------------
+    def handle_server_args(self, server_args: Any) -> None:
+        resolve_server_args(server_args)
+
+    def resolve_max_speculative_num_draft_tokens(self, server_args: Any) -> int | None:
+        from sglang.srt.arg_groups.overrides import resolving_view
+
+        cfg = resolving_view(server_args)
+        widths = [w for w in (cfg.speculative_num_draft_tokens, cfg.speculative_dflash_block_size) if w]
+        return max(int(w) for w in widths) if widths else None
+
+    def get_num_tokens_per_req_for_target_verify(self, num_draft_tokens: int, is_draft_worker: bool) -> int:
+        # The drafter runs its block (bonus + masks); the target verifies the tree (budget + 1).
+        settings = published_settings()
+        if settings is None:
+            return num_draft_tokens
+        return settings["block_size"] if is_draft_worker else settings["budget"] + 1
+
+
+def published_settings() -> dict[str, Any] | None:
+    """DDTREE's resolved sizes from this process's published ServerArgs (None before publish)."""
+    from sglang.srt.runtime_context import get_server_args
+
+    try:
+        record = get_server_args()
+    except (ValueError, AttributeError):  # nothing published in this process yet
+        return None
+    return resolved_settings(record)
+
+
+def _record_of(server_args: Any) -> Any:
+    """The ServerArgs record behind the stand-in SGLang hands to plugin resolvers."""
+    from sglang.srt.arg_groups.model_override_base import record_of
+    from sglang.srt.arg_groups.overrides import _ForeignDefaults
+
+    if isinstance(server_args, _ForeignDefaults):
+        return record_of(object.__getattribute__(server_args, "_cfg"))
+    return server_args
+
+
+def _hybrid_kind(record: Any) -> str | None:
+    """SGLang's own answer to "does this target keep recurrent state?" (None: pure attention)."""
+    from sglang.srt.arg_groups.model_override_base import model_config_of
+    from sglang.srt.configs.hybrid_arch import mambaish_config
+
+    state_config = mambaish_config(model_config_of(record))
+    return None if state_config is None else type(state_config).__name__
+
+
+def _check_contract(target: str, draft: str) -> dict[str, Any] | None:
+    """Width handshake from files, when both models are local directories."""
+    from ddtree_runtime.contract import load_contract
+
+    if not (os.path.isdir(target) and os.path.isdir(draft)):
+        return None
+    return load_contract(target, draft).to_dict()  # raises ContractError on a width mismatch
+
+
+def resolve_server_args(server_args: Any) -> None:
+    """Apply DFLASH's defaults, then DDTREE's sizes, gates and refusals (start-up)."""
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
+    from sglang.srt.arg_groups.speculative_hook import _handle_dflash
+
+    record = _record_of(server_args)
+    cfg = resolving_view(record)
+    args = ddtree_args_of(record)
+    if cfg.speculative_num_draft_tokens is not None:
+        raise DDTreeConfigError(
+            "DDTREE sets the verify width from --speculative-ddtree-budget (width = budget + 1) and "
+            "the drafter block from the draft config; drop --speculative-num-draft-tokens "
+            f"(got {cfg.speculative_num_draft_tokens}). --speculative-dflash-block-size still "
+            "overrides the drafter block."
+        )
+    check_refusals(cfg)
+    try:
+        _handle_dflash(record)  # device, pp, draft path, steps/topk = 1, block size, mrr 48
+    except ValueError as exc:
+        raise DDTreeConfigError(f"DDTREE builds on DFLASH, which refused: {exc}") from exc
+    block = int(cfg.speculative_num_draft_tokens)
+    if block < 2:
+        raise DDTreeConfigError(f"DDTREE needs a drafter block of at least 2 (got {block}).")
+    budget = args.budget if args.budget is not None else block - 1
+    check_hybrid(str(cfg.model_path), _hybrid_kind(record), allow_hybrid=args.allow_hybrid)
+    contract = _check_contract(str(cfg.model_path), str(cfg.speculative_draft_model_path))
+    if not cfg.disable_overlap_schedule:
+        logger.info("DDTREE runs without the overlap scheduler (tree build and walk are synchronous).")
+    declare_resolution(
+        record,
+        RESOLUTION_SOURCE,
+        speculative_dflash_block_size=block,
+        speculative_num_draft_tokens=max(budget + 1, block),
+        disable_overlap_schedule=True,
+    )
+    resolved = {
+        "algorithm": ALGORITHM,
+        "budget": budget,
+        "topk_cap": args.topk_cap,
+        "block_size": block,
+        "allow_hybrid": args.allow_hybrid,
+        "contract": contract,
+    }
+    # Bookkeeping attribute: pickled to every scheduler process with the record.
+    setattr(record, RESOLVED_ATTR, resolved)
+    logger.info(
+        "DDTREE: budget %d (verify width %d), drafter block %d, top-k cap %s",
+        budget, budget + 1, block, args.topk_cap,
+    )
+
+
+def resolved_settings(record: Any) -> dict[str, Any] | None:
+    return getattr(record, RESOLVED_ATTR, None) if record is not None else None
+
+
+def spec_class() -> type[DDTreeSpecAlgo]:
+    return DDTreeSpecAlgo
+
+
+def is_ddtree(algo: Any) -> bool:
+    return isinstance(algo, DDTreeSpecAlgo) or (isinstance(algo, str) and algo.upper() == ALGORITHM)

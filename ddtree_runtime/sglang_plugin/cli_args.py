@@ -1,0 +1,100 @@
+"""DDTREE's launch flags, added to SGLang's own parser.
+
+SGLang 0.5.23 assembles ``ServerArgs`` from fixed namespaces at import time, so a plugin cannot
+declare new fields. The flags are therefore added to the parser SGLang builds
+(``ServerArgs.add_cli_args``, hooked) and read back from the parsed namespace
+(``ServerArgs.from_cli_args``, hooked) onto a bookkeeping attribute of the record. Bookkeeping
+attributes travel with the record when SGLang pickles it to its scheduler processes.
+Resolution (``algorithm.resolve_server_args``) turns them into SGLang's own fields:
+``speculative_num_draft_tokens`` = budget + 1 (verify width) and
+``speculative_dflash_block_size`` = the drafter's block.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass
+from typing import Any
+
+RECORD_ATTR = "_ddtree_cli"
+# Verify width = budget + 1 is a per-request token count in every target forward; SGLang's
+# tree kernels and CUDA-graph buffers are sized by it. Beyond this the verify pass is
+# certainly slower than it gains (ddtree-algorithm.md section 4: best budgets are 4..256).
+MAX_BUDGET = 1023
+
+
+@dataclass(frozen=True)
+class DDTreeArgs:
+    budget: int | None = None  # None: one node per draft position (L = block_size - 1)
+    topk_cap: int | None = None
+    allow_hybrid: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _positive_int(name: str, maximum: int | None = None):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} takes a whole number, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be at least 1, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(
+                f"{name} must be at most {maximum} (verify width = budget + 1), got {value}"
+            )
+        return value
+
+    return parse
+
+
+def add_ddtree_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the DDTREE flags to SGLang's parser (idempotent)."""
+    if any("--speculative-ddtree-budget" in a.option_strings for a in parser._actions):
+        return
+    group = parser.add_argument_group("DDTREE speculative decoding (ddtree-runtime plugin)")
+    group.add_argument(
+        "--speculative-ddtree-budget",
+        type=_positive_int("--speculative-ddtree-budget", MAX_BUDGET),
+        default=None,
+        help="DDTREE only. Tree nodes per request and round (not counting the root); the target "
+        "verifies budget + 1 tokens, independent of the drafter's block size. "
+        "Default: block_size - 1.",
+    )
+    group.add_argument(
+        "--speculative-ddtree-topk-cap",
+        type=_positive_int("--speculative-ddtree-topk-cap"),
+        default=None,
+        help="DDTREE only. At most this many candidate tokens per draft position (default: budget).",
+    )
+    group.add_argument(
+        "--speculative-ddtree-allow-hybrid",
+        action="store_true",
+        default=False,
+        help="DDTREE only. Serve a hybrid (Mamba / gated delta net / linear attention) target "
+        "anyway. Unsafe: every tree node needs its own recurrent state, which SGLang's hybrid "
+        "backends do not keep for DDTREE trees.",
+    )
+
+
+def capture_ddtree_arguments(record: Any, namespace: argparse.Namespace) -> DDTreeArgs:
+    """Store the parsed DDTREE flags on the ServerArgs record and return them."""
+    args = DDTreeArgs(
+        budget=getattr(namespace, "speculative_ddtree_budget", None),
+        topk_cap=getattr(namespace, "speculative_ddtree_topk_cap", None),
+        allow_hybrid=bool(getattr(namespace, "speculative_ddtree_allow_hybrid", False)),
+    )
+    setattr(record, RECORD_ATTR, args.to_dict())
+    return args
+
+
+def ddtree_args_of(record: Any) -> DDTreeArgs:
+    """The DDTREE flags stored on a ServerArgs record (defaults when none were parsed)."""
+    raw = getattr(record, RECORD_ATTR, None) if record is not None else None
+    return DDTreeArgs(**raw) if raw else DDTreeArgs()
+
+
+def uses_ddtree_flags(args: DDTreeArgs) -> bool:
+    return args != DDTreeArgs()

@@ -1,0 +1,125 @@
+"""Start-up refusals: configurations DDTREE cannot serve correctly, each with the reason.
+
+Every check reads SGLang's resolving view (``cfg``), so it sees defaults and earlier
+resolution decisions exactly as SGLang does. Each entry names the SGLang 0.5.23 site that
+would otherwise mis-handle DDTREE (docs/sglang-plugin-sites.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+# Tree verify needs an arbitrary ancestor mask in the target forward. SGLang's Triton backend
+# takes ``custom_mask`` for EAGLE trees; DFlash skips the mask on FlashInfer/FA3/TRTLLM
+# (dflash_utils._DFLASH_VERIFY_SKIP_CUSTOM_MASK_BACKENDS), so a tree there would attend to
+# its siblings silently. Same choice as sgl-project/sglang#29907.
+TREE_MASK_ATTENTION_BACKENDS = ("triton",)
+
+
+class DDTreeConfigError(ValueError):
+    """A launch configuration DDTREE refuses; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    site: str  # SGLang file:line (0.5.23) whose DFLASH-only check this refusal stands in for
+    applies: Callable[[Any], bool]
+    message: str
+
+
+def _on(name: str) -> Callable[[Any], bool]:
+    return lambda cfg: bool(getattr(cfg, name, None))
+
+
+REFUSALS: tuple[Refusal, ...] = (
+    Refusal(
+        "disaggregation/mooncake/conn.py:949",
+        lambda cfg: (getattr(cfg, "disaggregation_mode", "null") or "null") != "null",
+        "DDTREE runs colocated only: drop --disaggregation-mode (SGLang's PD transfer code matches "
+        "the name DFLASH, and DDTREE has no disaggregated draft input).",
+    ),
+    Refusal(
+        "arg_groups/kv_cache_hook.py:593,647",
+        _on("enable_unified_memory"),
+        "DDTREE does not support --enable-unified-memory: SGLang audited the unified pool's "
+        "location translation for DFLASH's prefix commit only, not for a tree's scattered commit.",
+    ),
+    Refusal(
+        "arg_groups/speculative_hook.py:176",
+        _on("speculative_use_block_verification"),
+        "DDTREE verifies a tree, not a block: drop --speculative-use-block-verification.",
+    ),
+    Refusal(
+        "mem_cache/kv_cache_configurator.py:1711, arg_groups/attention_hook.py:480",
+        _on("enable_linear_replayssm_spec"),
+        "DDTREE does not support --enable-linear-replayssm-spec (a linear-attention replay path "
+        "for DFLASH/DSPARK chains; tree nodes need per-node recurrent state).",
+    ),
+    Refusal(
+        "arg_groups/layernorm_sp_hook.py:179",
+        _on("enable_layernorm_sp"),
+        "DDTREE does not support --enable-layernorm-sp (SGLang gathers the sequence-sharded "
+        "hidden states only for Muse Spark DFLASH).",
+    ),
+    Refusal(
+        "arg_groups/cp_tp_group_sharing_hook.py:58,92",
+        _on("enable_cp_tp_group_sharing"),
+        "DDTREE does not support --enable-cp-tp-group-sharing (ported for GLM-5.3 DFLASH/MTP only).",
+    ),
+    Refusal(
+        "arg_groups/lora_hook.py:252",
+        lambda cfg: bool(getattr(cfg, "enable_lora", None)) or bool(getattr(cfg, "lora_paths", None)),
+        "DDTREE does not support LoRA adapters: SGLang's LoRA segment layout is audited for "
+        "EAGLE/EAGLE3/DFLASH/DSPARK verify widths only. Drop --enable-lora / --lora-paths.",
+    ),
+    Refusal(
+        "arg_groups/validation_hook.py:694",
+        _on("enable_return_aux_hidden_states"),
+        "--enable-return-aux-hidden-states captures without a draft and needs EAGLE3, DFLASH or "
+        "DSPARK to name the convention; it cannot be combined with DDTREE.",
+    ),
+    Refusal(
+        "mem_cache/hybrid_cache/hybrid_pool_assembler.py:1784",
+        _on("enable_hierarchical_cache"),
+        "DDTREE does not support --enable-hierarchical-cache yet: the fused hierarchical draft KV "
+        "path is written for DFLASH's contiguous commit.",
+    ),
+)
+
+
+def check_refusals(cfg: Any) -> None:
+    """Raise DDTreeConfigError naming every refused flag in ``cfg``."""
+    hits = [r.message for r in REFUSALS if r.applies(cfg)]
+    for name in ("attention_backend", "decode_attention_backend", "prefill_attention_backend"):
+        backend = getattr(cfg, name, None)
+        if backend is not None and backend not in TREE_MASK_ATTENTION_BACKENDS:
+            hits.append(
+                f"DDTREE needs an attention backend that applies the tree mask in the verify pass; "
+                f"--{name.replace('_', '-')} is {backend!r}. Use --attention-backend "
+                f"{' or '.join(TREE_MASK_ATTENTION_BACKENDS)}."
+            )
+    if hits:
+        raise DDTreeConfigError("DDTREE cannot start with this configuration:\n  - " + "\n  - ".join(hits))
+
+
+HYBRID_REASON = (
+    "In a recurrent layer (Mamba / gated delta net / linear attention) the state advances token by "
+    "token in row order, so an attention mask cannot keep sibling tree nodes apart: every tree node "
+    "needs its own recurrent state (read from its parent, written to its own slot) and the accepted "
+    "leaf's state must be committed afterwards. SGLang 0.5.23's hybrid backends build tree metadata "
+    "only for EAGLE top-k > 1 and commit DFLASH state by row count, so DDTREE would verify such a "
+    "target wrongly."
+)
+
+
+def check_hybrid(target_path: str, hybrid_kind: str | None, *, allow_hybrid: bool) -> None:
+    """Refuse a hybrid target unless the operator overrode the gate explicitly."""
+    if hybrid_kind is None or allow_hybrid:
+        return
+    raise DDTreeConfigError(
+        f"DDTREE refuses the hybrid target {target_path} ({hybrid_kind}). {HYBRID_REASON} "
+        "Serve it with --speculative-algorithm DFLASH (chain verify), or pass "
+        "--speculative-ddtree-allow-hybrid to start anyway at your own risk."
+    )

@@ -1,0 +1,61 @@
+"""Expose the DDTREE settings and handshake in ``/server_info`` (and ``/get_server_info``).
+
+Two processes are involved: the scheduler owns the worker (observed width), the HTTP server
+builds the answer. The scheduler adds ``ddtree_handshake`` to its internal state (which
+``/server_info`` already lists under ``internal_states``); the tokenizer manager remembers the
+latest one while it collects those states; ``build_server_info`` then puts it at the top level,
+falling back to the launch-time handshake before the scheduler has reported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ddtree_runtime.sglang_plugin.algorithm import resolved_settings
+from ddtree_runtime.sglang_plugin.handshake import static_handshake
+
+BUILD_SERVER_INFO = "sglang.srt.utils.common.build_server_info"
+ADD_SPECULATIVE = (
+    "sglang.srt.managers.scheduler_components.internal_state.SchedulerInternalStateController._add_speculative"
+)
+GET_INTERNAL_STATE = "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.get_internal_state"
+
+_latest_live: dict[str, Any] | None = None
+
+
+def add_to_server_info(result: dict[str, Any], server_args: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    settings = resolved_settings(server_args)
+    if settings is None:
+        return result
+    result["speculative_ddtree_budget"] = settings["budget"]
+    result["speculative_ddtree_topk_cap"] = settings["topk_cap"]
+    result["speculative_ddtree_allow_hybrid"] = settings["allow_hybrid"]
+    result["ddtree_handshake"] = _latest_live or static_handshake(settings)
+    return result
+
+
+def add_to_internal_state(
+    result: Any, controller: Any, state: dict[str, Any], *args: Any, **kwargs: Any
+) -> None:
+    worker = getattr(controller.scheduler, "draft_worker", None)
+    handshake = getattr(worker, "ddtree_handshake", None)
+    if callable(handshake):
+        state["ddtree_handshake"] = handshake()
+
+
+async def remember_live_handshake(original: Any, *args: Any, **kwargs: Any) -> Any:
+    global _latest_live
+    states = await original(*args, **kwargs)
+    for state in states or ():
+        if isinstance(state, dict) and isinstance(state.get("ddtree_handshake"), dict):
+            _latest_live = state["ddtree_handshake"]
+            break
+    return states
+
+
+def register_server_info_hooks() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(BUILD_SERVER_INFO, add_to_server_info, HookType.AFTER)
+    HookRegistry.register(ADD_SPECULATIVE, add_to_internal_state, HookType.AFTER)
+    HookRegistry.register(GET_INTERNAL_STATE, remember_live_handshake, HookType.AROUND)

@@ -1,0 +1,73 @@
+"""Hooks and overrides for the SGLang 0.5.23 sites that test the literal name ``"DFLASH"`` or
+the enum member instead of a predicate (docs/sglang-plugin-sites.md has the full table; the
+sites handled by a start-up refusal live in ``gates.py``).
+
+Every hook is registered through SGLang's ``HookRegistry`` and applied by ``load_plugins()``.
+Each one changes behaviour only when the running algorithm is DDTREE.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ddtree_runtime.sglang_plugin import ALGORITHM
+
+logger = logging.getLogger(__name__)
+
+SPEC_NEED_HIDDEN_STATES = "sglang.srt.speculative.spec_utils.spec_need_hidden_states"
+HANDLE_SPECULATIVE_DECODING = "sglang.srt.arg_groups.speculative_hook.handle_speculative_decoding"
+METRICS_REPORTER = "sglang.srt.managers.scheduler_components.metrics_reporter"
+
+
+def _running_ddtree() -> bool:
+    from sglang.srt.runtime_context import get_spec
+
+    try:
+        name = get_spec().speculative_algorithm
+    except ValueError:  # nothing published in this process
+        return False
+    return isinstance(name, str) and name.upper() == ALGORITHM
+
+
+def spec_need_hidden_states_hook(original: Any, *args: Any, **kwargs: Any) -> bool:
+    """spec_utils.py:412 lists STANDALONE/DFLASH/DSPARK by name as "no hidden-state relay through
+    the FutureMap". DDTREE's drafter takes its context from the draft KV, like DFLASH."""
+    if _running_ddtree():
+        return False
+    return original(*args, **kwargs)
+
+
+def handle_speculative_decoding_hook(original: Any, server_args: Any, *args: Any, **kwargs: Any) -> Any:
+    """speculative_hook.py:213 warns that --speculative-draft-window-size has no effect for any
+    algorithm but EAGLE/EAGLE3/DFLASH. DDTREE's drafter is DFlash's and does honour it."""
+    result = original(server_args, *args, **kwargs)
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    cfg = resolving_view(server_args)
+    name = cfg.speculative_algorithm
+    if isinstance(name, str) and name.upper() == ALGORITHM and cfg.speculative_draft_window_size:
+        logger.warning(
+            "DDTREE honours --speculative-draft-window-size=%s (its drafter is DFlash's): "
+            "the 'has no effect' warning above does not apply.",
+            cfg.speculative_draft_window_size,
+        )
+    return result
+
+
+def include_in_spec_decode_snapshot(algo: Any) -> None:
+    """metrics_reporter.py:65 keys per-step decode KV snapshots on a tuple of enum members
+    (EAGLE, EAGLE3, DFLASH, DSPARK); add the registered DDTREE instance to it."""
+    import importlib
+
+    module = importlib.import_module(METRICS_REPORTER)
+    current = module._SPEC_DECODE_SNAPSHOT_ALGORITHMS
+    if algo not in current:
+        module._SPEC_DECODE_SNAPSHOT_ALGORITHMS = (*current, algo)
+
+
+def register_site_hooks() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(SPEC_NEED_HIDDEN_STATES, spec_need_hidden_states_hook, HookType.AROUND)
+    HookRegistry.register(HANDLE_SPECULATIVE_DECODING, handle_speculative_decoding_hook, HookType.AROUND)
