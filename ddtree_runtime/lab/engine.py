@@ -16,12 +16,12 @@ import torch
 from torch import Tensor
 
 from ddtree_runtime.contract import ContractError, HiddenContract, check_hidden_states, load_contract
+from ddtree_runtime.lab.faults import ENGINE_FAULTS as FAULTS
 from ddtree_runtime.lab.models import KVCache, causal_mask, load_draft, load_target
 from ddtree_runtime.lab.tokenizer import LabTokenizer
 from ddtree_runtime.tree import DraftTree, build_tree, commit_plan, compile_tree, walk_greedy, walk_sample
 
 ALGORITHMS = ("NONE", "DFLASH", "DDTREE")
-FAULTS = ("capture_predicate", "hidden_none")
 
 
 class HiddenStateError(RuntimeError):
@@ -96,6 +96,7 @@ class EngineStats:
     generated_tokens: int = 0
     prompt_tokens: int = 0
     observed_hidden_width: int | None = None
+    hidden_missing: bool = False
     last_accept_length: float = 0.0
 
 
@@ -128,7 +129,7 @@ class LabEngine:
             if draft_dir is None:
                 raise ValueError(f"--speculative-draft-model-path is required for {algorithm}")
             # The contract first: a drafter made for another target fails here with the numbers.
-            self.contract = load_contract(target_dir, draft_dir)
+            self.contract = _load_contract(target_dir, draft_dir)
             self.draft = load_draft(draft_dir, self.target.cfg.hidden_size, device=device, dtype=dtype)
             self.layer_ids = tuple(self.contract.target_layer_ids)
             self.block_size = int(self.contract.block_size)
@@ -305,6 +306,7 @@ class LabEngine:
         try:
             check_hidden_states(hidden, self.contract)
         except ContractError as exc:
+            self.stats.hidden_missing = hidden is None
             if hidden is not None and hidden.dim() == 2:
                 self.stats.observed_hidden_width = int(hidden.shape[-1])
             raise HiddenStateError(f"{self._sglang_wording(hidden, phase, exc)} [{exc}]", exc.cause) from exc
@@ -315,14 +317,7 @@ class LabEngine:
             if phase == "prefill":
                 return "DFLASH requires target aux hidden capture for prefill, but got None."
             return "DFLASH verify requires target hidden states, but got None."
-        c = self.contract
-        return (
-            "DFLASH target_hidden feature dim mismatch. "
-            f"Expected shape [N, {c.fc_in_features}] (num_context_features={len(c.target_layer_ids)}, "
-            f"hidden_size={c.draft_hidden_size}), but got shape={tuple(hidden.shape)}. "
-            "This usually means the target model is capturing a different number of layer features than "
-            "the draft checkpoint/config expects."
-        )
+        return _dim_mismatch(self.contract, tuple(hidden.shape))
 
     # ------------------------------------------------------------------ sampling
 
@@ -415,6 +410,29 @@ def _chain_tree(draft_logits: Tensor) -> DraftTree:
         num_nodes=torch.full((b,), horizon, dtype=torch.long, device=dev),
         horizon=horizon,
     )
+
+
+def _dim_mismatch(c: HiddenContract, shape: tuple) -> str:
+    """SGLang's DFlashDraftModel.project_target_hidden error text."""
+    return (
+        "DFLASH target_hidden feature dim mismatch. "
+        f"Expected shape [N, {c.fc_in_features}] (num_context_features={len(c.target_layer_ids)}, "
+        f"hidden_size={c.draft_hidden_size}), but got shape={shape}. "
+        "This usually means the target model is capturing a different number of layer features than "
+        "the draft checkpoint/config expects."
+    )
+
+
+def _load_contract(target_dir, draft_dir) -> HiddenContract:
+    """load_contract; a drafter made for another target fails as SGLang's warm-up would, plus our numbers."""
+    try:
+        return load_contract(target_dir, draft_dir)
+    except ContractError as exc:
+        if exc.cause != "fc_width_mismatch":
+            raise
+        c = load_contract(target_dir, draft_dir, check=False)
+        shape = ("N", c.capture_width)
+        raise HiddenStateError(f"{_dim_mismatch(c, shape)} [{exc}]", exc.cause) from exc
 
 
 def timed_generate(engine: LabEngine, prompts, params) -> tuple[list[GenerationResult], float]:

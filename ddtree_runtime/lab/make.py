@@ -66,7 +66,7 @@ def _train_target(model: TargetModel, lang: LabLanguage, rng: random.Random, ste
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 @torch.no_grad()
@@ -129,7 +129,7 @@ def _train_draft(draft: DraftModel, target: TargetModel, groups, gen: torch.Gene
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def _bf16_round(module: torch.nn.Module) -> None:
@@ -151,7 +151,7 @@ def make_models(
     *,
     seed: int = 0,
     target_steps: int = 160,
-    draft_steps: int = 200,
+    draft_steps: int = 400,
     log: Callable[[str], None] = print,
 ) -> dict:
     """Train and write the lab models; returns a summary (losses, seconds, paths)."""

@@ -2,8 +2,8 @@
 
 The target is a Qwen3 decoder (GQA, q/k RMSNorm, RoPE, SwiGLU) with HF parameter names. The drafter follows
 z-lab's `DFlashDraftModel`: no embedding and no LM head of its own (it borrows the target's), context
-features = target hidden states after `target_layer_ids`, concatenated and projected by `fc` + `hidden_norm`, injected as
-extra K/V in every layer; attention over [context, block] is non-causal.
+features = target hidden states after `target_layer_ids`, concatenated and projected by `fc` + `hidden_norm`,
+injected as extra K/V in every layer; attention over [context, block] is non-causal.
 
 Both forwards take explicit rows/masks so the engine can run prefill, chain verify and tree verify with a KV
 cache, batched with different lengths, through the same code the models were trained with.

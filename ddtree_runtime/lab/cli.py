@@ -1,0 +1,59 @@
+"""`ddtree lab make-models | serve | bench` (host side; torch is imported inside the handlers)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ddtree_runtime.lab.bench import add_bench_args
+from ddtree_runtime.lab.server_args import add_server_args
+
+
+def _make_models(args: argparse.Namespace) -> int:
+    from ddtree_runtime.lab.make import make_models
+
+    summary = make_models(args.dir, seed=args.seed, log=lambda msg: print(msg, file=sys.stderr))
+    print(json.dumps(summary))
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from ddtree_runtime.lab.server import serve
+
+    return serve(args)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from ddtree_runtime.lab.bench import bench_main
+
+    return bench_main(args)
+
+
+def register(lab_subparsers: argparse._SubParsersAction) -> None:
+    p = lab_subparsers.add_parser(
+        "make-models",
+        help="write the tiny lab models (DIR/target, DIR/draft, DIR/draft-mismatched)",
+        description="Train a tiny Qwen3-style target on the lab language and distil a DFlash-style drafter "
+        "on it; deterministic for a given --seed.",
+    )
+    p.add_argument("dir", metavar="DIR")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_make_models)
+
+    p = lab_subparsers.add_parser(
+        "serve",
+        help="the lab engine behind SGLang's HTTP surface (SGLang launch flags)",
+        description="Serve the lab models with SGLang's launch flags and endpoints. Faults: DDTREE_LAB_FAULT="
+        "capture_predicate|hidden_none|slow_start|crash_after_start. Notional device memory for "
+        "--mem-fraction-static: DDTREE_LAB_DEVICE_MEMORY_MB (default 128).",
+    )
+    add_server_args(p)
+    p.set_defaults(func=_serve)
+
+    p = lab_subparsers.add_parser(
+        "bench",
+        help="tokens/s and acceptance length of AR, DFlash and DDTree on the lab models (JSON lines)",
+    )
+    add_bench_args(p)
+    p.set_defaults(func=_bench)

@@ -1,0 +1,751 @@
+"""`ddtree lab serve`: the lab engine behind SGLang's HTTP surface (docs/interfaces.md section 3).
+
+Stdlib ThreadingHTTPServer for the endpoints, one scheduler thread that batches queued requests (up to
+--max-running-requests) into the engine. Start-up follows SGLang: the port answers (503) while the
+models load, a real warm-up generation runs, then "The server is fired up and ready to roll!". A
+scheduler failure is fatal the SGLang way (faults.die_like_sglang). SIGTERM drains, then exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from ddtree_runtime import __version__
+from ddtree_runtime.lab import faults
+from ddtree_runtime.lab.server_args import (
+    DEFAULT_DEVICE_MEMORY_MB,
+    MemoryPlan,
+    ServerArgsError,
+    memory_plan,
+    resolve,
+)
+from ddtree_runtime.lab.serving_metrics import CONTENT_TYPE, ServingMetrics
+
+log = logging.getLogger("ddtree.lab")
+SGLANG_VERSION = "0.5.23"  # the release whose surface the lab server speaks
+WARMUP_TEXT = "The capital city of France is"
+DECODE_LOG_INTERVAL = 40  # SGLang logs a decode line every 40 decode steps
+
+
+_NOT_SERVER_ARGS = ("command", "lab_command", "func", "lab_fault")
+
+
+class BadRequest(ValueError):
+    """A request body SGLang would answer with 400."""
+
+
+@dataclass
+class _Job:
+    prompts: list[list[int]]
+    params: list  # SamplingParams
+    done: threading.Event = field(default_factory=threading.Event)
+    results: list | None = None
+    error: BaseException | None = None
+    created: float = field(default_factory=time.monotonic)
+
+
+class LabServer:
+    """State shared by the HTTP handlers, the scheduler thread and the main thread."""
+
+    def __init__(self, sargs: dict, plan: faults.FaultPlan, device: str) -> None:
+        self.sargs = sargs
+        self.plan = plan
+        self.device = device
+        self.status = "starting"  # starting | ready | draining
+        self.engine = None
+        self.memory: MemoryPlan | None = None
+        self.jobs: queue.Queue[_Job] = queue.Queue()
+        self.running = 0
+        self.term = threading.Event()  # SIGTERM/SIGINT: stop taking requests, drain
+        self.stop = threading.Event()  # the scheduler's end (after the drain)
+        self.metrics = ServingMetrics(sargs["served_model_name"]) if sargs.get("enable_metrics") else None
+        self.last_gen_throughput = 0.0
+        self._scheduler: threading.Thread | None = None
+        self._decode_steps = 0
+
+    # ------------------------------------------------------------------ start-up
+
+    def start(self) -> None:
+        """Load, size the pool, start the scheduler, warm up. Raises on any start-up failure."""
+        from ddtree_runtime.lab.engine import LabEngine  # torch: only when serving
+
+        sa = self.sargs
+        if self.plan.start_delay_s:
+            log.info(
+                "Lab fault slow_start: model loading takes %.1fs (DDTREE_LAB_START_DELAY_S)",
+                self.plan.start_delay_s,
+            )
+            if self.term.wait(self.plan.start_delay_s):
+                return
+        log.info("Load weight begin. avail mem=%.2f GB", self._device_total_gb())
+        t0 = time.monotonic()
+        algo = sa["speculative_algorithm"] or "NONE"
+        self.engine = LabEngine(
+            sa["model_path"],
+            sa["speculative_draft_model_path"],
+            algorithm=algo,
+            budget=sa["speculative_ddtree_budget"] or 16,
+            topk_cap=sa["speculative_ddtree_topk_cap"],
+            device=self.device,
+            fault=self.plan.engine_fault,
+            seed=sa["random_seed"] or 0,
+        )
+        weights = self._weight_bytes()
+        log.info(
+            "Load weight end. type=Qwen3ForCausalLM, dtype=torch.float32, avail mem=%.2f GB, "
+            "mem usage=%.4f GB.",
+            self._device_total_gb(),
+            weights / 2**30,
+        )
+        if self.engine.contract is not None:
+            c = self.engine.contract
+            log.info(
+                "DFLASH draft: target_layer_ids=%s, block_size=%d, fc in_features=%d; "
+                "DDTree budget=%s. (%.2fs)",
+                list(c.target_layer_ids),
+                c.block_size,
+                c.fc_in_features,
+                sa["speculative_ddtree_budget"],
+                time.monotonic() - t0,
+            )
+        draft_layers = self.engine.draft.cfg.num_hidden_layers if self.engine.draft is not None else 0
+        self.memory = memory_plan(
+            mem_fraction_static=sa["mem_fraction_static"],
+            context_length=sa["context_length"],
+            target_config=json.loads((Path(sa["model_path"]) / "config.json").read_text()),
+            draft_layers=draft_layers,
+            weight_bytes=weights,
+        )
+        kv_gb = self.memory.max_total_num_tokens * self.memory.kv_bytes_per_token / 2**30
+        log.info(
+            "KV Cache is allocated. #tokens: %d, K size: %.4f GB, V size: %.4f GB",
+            self.memory.max_total_num_tokens,
+            kv_gb / 2,
+            kv_gb / 2,
+        )
+        log.info(
+            "max_total_num_tokens=%d, chunked_prefill_size=%s, max_prefill_tokens=16384, "
+            "max_running_requests=%d, context_len=%d, available_gpu_mem=%.2f GB",
+            self.memory.max_total_num_tokens,
+            sa["chunked_prefill_size"],
+            sa["max_running_requests"],
+            sa["context_length"],
+            self._device_total_gb() * (1 - sa["mem_fraction_static"]),
+        )
+        if self.metrics is not None:
+            self.metrics.max_total_num_tokens.set(self.memory.max_total_num_tokens)
+            hs = self.handshake()
+            if hs is not None:
+                self.metrics.expected_hidden_width.set(hs["expected_hidden_width"])
+                self.metrics.budget.set(hs["budget"] or 0)
+            self.metrics.spec_num_draft_tokens.set(sa["speculative_num_draft_tokens"] or 0)
+        self._scheduler = threading.Thread(target=self._schedule, name="scheduler", daemon=True)
+        self._scheduler.start()
+        if not sa["skip_server_warmup"]:
+            from ddtree_runtime.lab.engine import SamplingParams
+
+            job = self.submit([self.engine.tokenizer.encode(WARMUP_TEXT)], [SamplingParams(max_new_tokens=8)])
+            if job.error is not None:
+                raise job.error
+            log.info(
+                "End of prefill warmup with status 200, resp: %s", json.dumps(self._generate_item(job, 0))
+            )
+        self.status = "ready"
+        log.info("The server is fired up and ready to roll!")
+
+    def _weight_bytes(self) -> int:
+        mods = [self.engine.target] + ([self.engine.draft] if self.engine.draft is not None else [])
+        return sum(p.numel() * 2 for m in mods for p in m.parameters())  # bf16 on disk and on a GPU
+
+    def _device_total_gb(self) -> float:
+        return float(os.environ.get("DDTREE_LAB_DEVICE_MEMORY_MB") or DEFAULT_DEVICE_MEMORY_MB) / 1024
+
+    # ------------------------------------------------------------------ scheduling
+
+    def submit(self, prompts: list[list[int]], params: list) -> _Job:
+        job = _Job(prompts, params)
+        self.jobs.put(job)
+        job.done.wait()
+        return job
+
+    def _schedule(self) -> None:
+        limit = self.sargs["max_running_requests"]
+        while not self.stop.is_set():
+            try:
+                first = self.jobs.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            time.sleep(0.002)  # let requests that arrived together share the batch
+            batch = [first]
+            while sum(len(j.prompts) for j in batch) < limit:
+                try:
+                    batch.append(self.jobs.get_nowait())
+                except queue.Empty:
+                    break
+            self._run(batch)
+
+    def _run(self, batch: list[_Job]) -> None:
+        prompts = [p for j in batch for p in j.prompts]
+        params = [p for j in batch for p in j.params]
+        self.running = len(prompts)
+        if self.metrics is not None:
+            self.metrics.num_running_reqs.set(self.running)
+            self.metrics.num_queue_reqs.set(self.jobs.qsize())
+        log.info(
+            "Prefill batch, #new-seq: %d, #new-token: %d, #cached-token: 0, token usage: %.2f, "
+            "#running-req: 0, #queue-req: %d,",
+            len(prompts),
+            sum(map(len, prompts)),
+            self._token_usage(prompts, 0),
+            self.jobs.qsize(),
+        )
+        engine = self.engine
+        before_verify, before_acc = engine.stats.verify_ct, engine.stats.accepted_sum
+        t0 = time.monotonic()
+        try:
+            results = engine.generate(prompts, params)
+        except Exception as exc:  # a scheduler exception takes the whole server down, as in SGLang
+            faults.die_like_sglang(exc)
+            raise
+        seconds = max(time.monotonic() - t0, 1e-9)
+        tokens = sum(r.completion_tokens for r in results)
+        self.last_gen_throughput = tokens / seconds
+        verify = engine.stats.verify_ct - before_verify
+        accept_len = (engine.stats.accepted_sum - before_acc) / verify if verify else None
+        self._log_decode(prompts, results, accept_len)
+        self._observe(prompts, results, verify, accept_len, batch)
+        at = 0
+        for job in batch:
+            job.results = results[at : at + len(job.prompts)]
+            at += len(job.prompts)
+            job.done.set()
+        self.running = 0
+        if self.metrics is not None:
+            self.metrics.num_running_reqs.set(0)
+
+    def _token_usage(self, prompts, generated: int) -> float:
+        cap = self.memory.max_total_num_tokens if self.memory else 1
+        return (sum(map(len, prompts)) + generated) / cap
+
+    def _log_decode(self, prompts, results, accept_len: float | None) -> None:
+        tokens = sum(r.completion_tokens for r in results)
+        spec = ""
+        if accept_len is not None:
+            rate = (accept_len - 1) / max(1, (self.sargs["speculative_num_draft_tokens"] or 2) - 1)
+            spec = f"accept len: {accept_len:.2f}, accept rate: {rate:.2f}, "
+        log.info(
+            "Decode batch, #running-req: %d, #token: %d, token usage: %.2f, %scuda graph: %s, "
+            "gen throughput (token/s): %.2f, #queue-req: %d,",
+            len(prompts),
+            sum(map(len, prompts)) + tokens,
+            self._token_usage(prompts, tokens),
+            spec,
+            self.device == "cuda" and not self.sargs["disable_cuda_graph"],
+            self.last_gen_throughput,
+            self.jobs.qsize(),
+        )
+
+    def _observe(self, prompts, results, verify: int, accept_len: float | None, batch) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        m.prompt_tokens.inc(sum(map(len, prompts)))
+        m.generation_tokens.inc(sum(r.completion_tokens for r in results))
+        m.num_requests.inc(len(results))
+        m.gen_throughput.set(self.last_gen_throughput)
+        m.token_usage.set(0.0)
+        now = time.monotonic()
+        for job in batch:
+            m.e2e_latency.observe(now - job.created)
+        if verify:
+            m.spec_verify_calls.inc(verify)
+            m.spec_accept_length.set(accept_len)
+            budget = max(1, (self.sargs["speculative_num_draft_tokens"] or 2) - 1)
+            m.spec_accept_rate.set((accept_len - 1) / budget)
+        width = self.engine.stats.observed_hidden_width
+        if width is not None:
+            m.observed_hidden_width.set(width)
+
+    # ------------------------------------------------------------------ views
+
+    def handshake(self) -> dict | None:
+        engine = self.engine
+        if engine is None or engine.contract is None:
+            return None
+        c = engine.contract
+        observed = engine.stats.observed_hidden_width
+        if engine.stats.hidden_missing:
+            status = "missing"
+        elif observed is None:
+            status = "pending"
+        else:
+            status = "ok" if observed == c.capture_width == c.fc_in_features else "mismatch"
+        return {
+            "algorithm": engine.algorithm,
+            "budget": engine.budget if engine.algorithm == "DDTREE" else None,
+            "topk_cap": engine.topk_cap,
+            "block_size": c.block_size,
+            "target_hidden_size": c.target_hidden_size,
+            "target_layer_ids": list(c.target_layer_ids),
+            "expected_hidden_width": c.capture_width,
+            "draft_fc_in_features": c.fc_in_features,
+            "observed_hidden_width": observed,
+            "status": status,
+        }
+
+    def server_info(self) -> dict:
+        info = {k: v for k, v in self.sargs.items() if k not in _NOT_SERVER_ARGS}
+        stats = self.engine.stats if self.engine is not None else None
+        state = {
+            "last_gen_throughput": self.last_gen_throughput,
+            "effective_max_running_requests_per_dp": self.sargs["max_running_requests"],
+            "memory_usage": {
+                "weight": (self._weight_bytes() / 2**30) if self.engine else 0.0,
+                "kvcache": (self.memory.max_total_num_tokens * self.memory.kv_bytes_per_token / 2**30)
+                if self.memory
+                else 0.0,
+                "token_capacity": self.memory.max_total_num_tokens if self.memory else 0,
+                "graph": 0.0,
+            },
+        }
+        if stats is not None and stats.verify_ct:
+            state["avg_spec_accept_length"] = stats.accepted_sum / stats.verify_ct
+        info.update(
+            version=SGLANG_VERSION,
+            ddtree_runtime_version=__version__,
+            engine="ddtree-lab",
+            status=self.status,
+            max_total_num_tokens=self.memory.max_total_num_tokens if self.memory else None,
+            internal_states=[state],
+            ddtree_handshake=self.handshake(),
+        )
+        return info
+
+    def model_info(self) -> dict:
+        return {
+            "model_path": self.sargs["model_path"],
+            "tokenizer_path": self.sargs["tokenizer_path"],
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": "qwen3",
+            "architectures": ["Qwen3ForCausalLM"],
+        }
+
+    def _generate_item(self, job: _Job, i: int, rid: str | None = None) -> dict:
+        r = job.results[i]
+        meta = {
+            "id": rid or uuid.uuid4().hex,
+            "finish_reason": r.finish_reason,
+            "prompt_tokens": r.prompt_tokens,
+            "completion_tokens": r.completion_tokens,
+            "cached_tokens": 0,
+            "weight_version": "default",
+            "e2e_latency": round(time.monotonic() - job.created, 6),
+        }
+        if self.engine.algorithm != "NONE":
+            meta["spec_verify_ct"] = r.verify_ct
+            meta["spec_accept_length"] = r.completion_tokens / r.verify_ct if r.verify_ct else 0.0
+            hist = [0] * (self.engine.block_size + 1)
+            for n in r.accept_lengths:
+                hist[n] += 1
+            meta["spec_accept_histogram"] = hist
+        text = self.engine.tokenizer.decode(r.output_ids)
+        return {"text": text, "output_ids": r.output_ids, "meta_info": meta}
+
+
+# ---------------------------------------------------------------------------- request parsing
+
+
+def parse_generate(body: dict, lab: LabServer) -> tuple[list[list[int]], list, bool]:
+    """SGLang's GenerateReqInput subset: (prompts, params, batched)."""
+    from ddtree_runtime.lab.engine import SamplingParams
+
+    text, ids = body.get("text"), body.get("input_ids")
+    if text is None and ids is None:
+        raise BadRequest("Either text, input_ids or input_embeds should be provided.")
+    if text is not None and ids is not None:
+        raise BadRequest("Either text or input_ids should be provided, not both.")
+    if body.get("stream"):
+        raise BadRequest("stream=true is not supported by the lab engine; send stream=false.")
+    if body.get("return_logprob") and lab.engine.algorithm != "NONE":
+        raise BadRequest("DFLASH speculative decoding does not support return_logprob yet.")
+    tok = lab.engine.tokenizer
+    if text is not None:
+        batched = isinstance(text, list)
+        texts = text if batched else [text]
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise BadRequest("text must be a string or a non-empty list of strings.")
+        prompts = [tok.encode(t) for t in texts]
+    else:
+        batched = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+        prompts = ids if batched else [ids]
+        if (
+            not isinstance(ids, list)
+            or not ids
+            or not all(
+                isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+                for p in prompts
+            )
+        ):
+            raise BadRequest("input_ids must be a non-empty list of token ids (or a list of such lists).")
+        bad = sorted({t for p in prompts for t in p if not 0 <= t < tok.vocab_size})
+        if bad:
+            raise BadRequest(
+                f"input_ids holds token ids outside the vocabulary [0, {tok.vocab_size}): {bad[:5]}"
+            )
+    if any(len(p) == 0 for p in prompts):
+        raise BadRequest("The input is empty: send at least one token.")
+    sp = body.get("sampling_params") or {}
+    sps = sp if isinstance(sp, list) else [sp] * len(prompts)
+    if len(sps) != len(prompts) or not all(isinstance(s, dict) for s in sps):
+        raise BadRequest("sampling_params must be an object, or a list of objects, one per prompt.")
+    try:
+        params = [SamplingParams.from_dict(s) for s in sps]
+    except (TypeError, ValueError) as exc:
+        raise BadRequest(f"Invalid sampling_params: {exc}") from exc
+    check_context(prompts, params, lab.sargs["context_length"])
+    return prompts, params, batched
+
+
+def check_context(prompts, params, context_length: int) -> None:
+    for p, s in zip(prompts, params, strict=True):
+        if len(p) + s.max_new_tokens > context_length:
+            raise BadRequest(
+                "Requested token count exceeds the model's maximum context length of "
+                f"{context_length} tokens. You requested a total of {len(p) + s.max_new_tokens} tokens: "
+                f"{len(p)} tokens from the input messages and {s.max_new_tokens} tokens for the "
+                "completion. Please reduce the number of tokens in the input messages or the completion "
+                "to fit within the limit."
+            )
+
+
+def parse_openai(body: dict, lab: LabServer, *, chat: bool) -> tuple[list[int], object]:
+    from ddtree_runtime.lab.engine import SamplingParams
+
+    tok = lab.engine.tokenizer
+    if body.get("stream"):
+        raise BadRequest("stream=true is not supported by the lab engine; send stream=false.")
+    if int(body.get("n") or 1) != 1:
+        raise BadRequest("n > 1 is not supported.")
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("messages must be a non-empty list of {role, content} objects.")
+        for m in messages:
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool"):
+                raise BadRequest(f"each message needs a role of system/user/assistant/tool, got {m!r}")
+            if not isinstance(m.get("content"), str):
+                raise BadRequest("message content must be a string (no multimodal parts in the lab).")
+        prompt = tok.encode(tok.apply_chat_template(messages))
+    else:
+        text = body.get("prompt")
+        if not isinstance(text, str) or not text:
+            raise BadRequest("prompt must be a non-empty string.")
+        prompt = tok.encode(text)
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    raw = {
+        "max_new_tokens": 128 if max_tokens is None else max_tokens,
+        "temperature": body.get("temperature", 1.0),
+        "top_p": body.get("top_p", 1.0),
+        "top_k": body.get("top_k", -1),
+        "ignore_eos": body.get("ignore_eos", False),
+        "stop_token_ids": body.get("stop_token_ids") or (),
+    }
+    try:
+        params = SamplingParams.from_dict(raw)
+    except (TypeError, ValueError) as exc:
+        raise BadRequest(str(exc)) from exc
+    check_context([prompt], [params], lab.sargs["context_length"])
+    return prompt, params
+
+
+# ---------------------------------------------------------------------------- HTTP
+
+
+class Handler(BaseHTTPRequestHandler):
+    server_version = "uvicorn"
+    sys_version = ""
+    protocol_version = "HTTP/1.1"
+
+    @property
+    def lab(self) -> LabServer:
+        return self.server.lab  # type: ignore[attr-defined]
+
+    def log_message(self, fmt: str, *args) -> None:  # uvicorn-style access log
+        log.info('%s:%d - "%s" %s', self.client_address[0], self.client_address[1], self.requestline, args[1])
+
+    def _send(self, status: int, body, content_type: str = "application/json") -> None:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("content-type", content_type)
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, status: int, message: str, *, openai: bool = False) -> None:
+        if openai:
+            body = {
+                "object": "error",
+                "message": message,
+                "type": HTTPStatus(status).phrase.replace(" ", "") + "Error",
+                "param": None,
+                "code": status,
+            }
+        else:
+            body = {"error": {"message": message}}
+        self._send(status, body)
+
+    def _read_json(self, *, openai: bool = False):
+        length = int(self.headers.get("content-length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        try:
+            body = json.loads(raw or b"null")
+        except json.JSONDecodeError as exc:
+            self._error(400, f"Invalid JSON body: {exc}", openai=openai)
+            return None
+        if not isinstance(body, dict):
+            self._error(400, "The request body must be a JSON object.", openai=openai)
+            return None
+        return body
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        lab = self.lab
+        if path in ("/health", "/health_generate"):
+            if lab.status != "ready":
+                return self._send(503, b"", "text/plain")
+            if path == "/health_generate" and lab.running == 0 and lab.jobs.empty():
+                from ddtree_runtime.lab.engine import SamplingParams
+
+                job = lab.submit([[0]], [SamplingParams(max_new_tokens=1)])
+                if job.error is not None:
+                    return self._send(503, b"", "text/plain")
+            return self._send(200, b"", "text/plain")
+        if path in ("/server_info", "/get_server_info"):
+            return self._send(200, lab.server_info())
+        if path in ("/model_info", "/get_model_info"):
+            return self._send(200, lab.model_info())
+        if path == "/v1/models":
+            return self._send(
+                200,
+                {
+                    "object": "list",
+                    "data": [
+                        {
+                            "id": lab.sargs["served_model_name"],
+                            "object": "model",
+                            "created": int(time.time()),
+                            "owned_by": "sglang",
+                            "root": lab.sargs["model_path"],
+                            "max_model_len": lab.sargs["context_length"],
+                        }
+                    ],
+                },
+            )
+        if path == "/metrics":
+            if lab.metrics is None:
+                return self._error(404, "Not Found: start the server with --enable-metrics")
+            return self._send(200, lab.metrics.render(), CONTENT_TYPE)
+        if path == "/get_load":
+            return self._send(
+                200,
+                [
+                    {
+                        "dp_rank": 0,
+                        "num_reqs": lab.running + lab.jobs.qsize(),
+                        "num_waiting_reqs": lab.jobs.qsize(),
+                    }
+                ],
+            )
+        return self._error(404, "Not Found")
+
+    def do_POST(self) -> None:
+        path = self.path.split("?", 1)[0]
+        openai = path.startswith("/v1/")
+        if path not in ("/generate", "/v1/chat/completions", "/v1/completions"):
+            return self._error(404, "Not Found", openai=openai)
+        body = self._read_json(openai=openai)
+        if body is None:
+            return None
+        lab = self.lab
+        if lab.status != "ready":
+            return self._error(503, f"The server is not ready (status: {lab.status}).", openai=openai)
+        try:
+            if path == "/generate":
+                prompts, params, batched = parse_generate(body, lab)
+            else:
+                prompt, p = parse_openai(body, lab, chat=path == "/v1/chat/completions")
+                prompts, params, batched = [prompt], [p], False
+        except BadRequest as exc:
+            return self._error(400, str(exc), openai=openai)
+        job = lab.submit(prompts, params)
+        if job.error is not None:
+            return self._error(500, str(job.error), openai=openai)
+        if path == "/generate":
+            items = [
+                lab._generate_item(job, i, body.get("rid") if not batched else None)
+                for i in range(len(prompts))
+            ]
+            return self._send(200, items if batched else items[0])
+        return self._send(
+            200, _openai_response(lab, job, chat=path == "/v1/chat/completions", model=body.get("model"))
+        )
+
+
+def _openai_response(lab: LabServer, job: _Job, *, chat: bool, model) -> dict:
+    r = job.results[0]
+    text = lab.engine.tokenizer.decode(r.output_ids)
+    reason = r.finish_reason["type"]
+    choice = {
+        "index": 0,
+        "logprobs": None,
+        "finish_reason": reason,
+        "matched_stop": r.finish_reason.get("matched"),
+    }
+    if chat:
+        choice["message"] = {
+            "role": "assistant",
+            "content": text,
+            "reasoning_content": None,
+            "tool_calls": None,
+        }
+    else:
+        choice["text"] = text
+    return {
+        "id": uuid.uuid4().hex,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model or lab.sargs["served_model_name"],
+        "choices": [choice],
+        "usage": {
+            "prompt_tokens": r.prompt_tokens,
+            "completion_tokens": r.completion_tokens,
+            "total_tokens": r.prompt_tokens + r.completion_tokens,
+            "prompt_tokens_details": None,
+        },
+        "metadata": {"weight_version": "default"},
+    }
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, str(level).upper(), logging.INFO),
+        format="[%(asctime)s] %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S",
+        force=True,
+    )
+
+
+def _default_device(flag: str | None) -> str:
+    if flag:
+        return flag
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def serve(args: argparse.Namespace) -> int:
+    _setup_logging(args.log_level)
+    try:
+        plan = faults.fault_plan(args.lab_fault)
+        target_cfg = _read_json_file(Path(args.model_path) / "config.json", "--model-path")
+        draft_block = None
+        if args.speculative_draft_model_path and (args.speculative_algorithm or "").upper() in (
+            "DFLASH",
+            "DDTREE",
+        ):
+            dcfg = _read_json_file(
+                Path(args.speculative_draft_model_path) / "config.json", "--speculative-draft-model-path"
+            )
+            draft_block = (dcfg.get("dflash_config") or {}).get("block_size") or dcfg.get("block_size")
+        sargs = resolve(args, target_config=target_cfg, draft_block_size=draft_block)
+    except (ServerArgsError, ValueError, OSError) as exc:
+        log.error("%s: %s", "ValueError" if isinstance(exc, ValueError) else type(exc).__name__, exc)
+        return 1
+    device = _default_device(args.device)
+    sargs["device"] = device
+    sargs["launch_command"] = "ddtree lab serve " + " ".join(_argv_of(args))
+    shown = {k: v for k, v in sargs.items() if k not in _NOT_SERVER_ARGS}
+    log.info("server_args=ServerArgs(%s)", ", ".join(f"{k}={v!r}" for k, v in shown.items()))
+    if plan.fault:
+        log.info("Lab fault armed: %s", plan.fault)
+    lab = LabServer(sargs, plan, device)
+    try:
+        httpd = ThreadingHTTPServer((sargs["host"], sargs["port"]), Handler)
+    except OSError as exc:
+        log.error(
+            "[Errno %s] error while attempting to bind on address (%r, %d): %s",
+            exc.errno,
+            sargs["host"],
+            sargs["port"],
+            (exc.strerror or str(exc)).lower(),
+        )
+        return 1
+    httpd.daemon_threads = True
+    httpd.lab = lab  # type: ignore[attr-defined]
+    threading.Thread(target=httpd.serve_forever, name="http", daemon=True).start()
+    log.info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)", sargs["host"], sargs["port"])
+
+    def on_term(signum, _frame) -> None:
+        log.info("Received %s: draining in-flight requests, then exiting.", signal.Signals(signum).name)
+        lab.term.set()
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    try:
+        lab.start()
+    except Exception as exc:
+        faults.die_like_sglang(exc)
+    if plan.fault == "crash_after_start" and lab.status == "ready":
+        faults.arm_crash_after_start(plan.crash_after_s)
+    while not lab.term.wait(0.5):
+        pass
+    return _drain(lab, httpd)
+
+
+def _drain(lab: LabServer, httpd: ThreadingHTTPServer) -> int:
+    lab.status = "draining"
+    while lab.running or not lab.jobs.empty():
+        log.info("Gracefully exiting... Remaining number of requests %d.", lab.running + lab.jobs.qsize())
+        time.sleep(0.2)
+    lab.stop.set()
+    httpd.shutdown()
+    httpd.server_close()
+    log.info("Finished server process")
+    return 0
+
+
+def _read_json_file(path: Path, flag: str) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise OSError(f"{path} not found: {flag} must name a model directory with a config.json") from exc
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def _argv_of(args: argparse.Namespace) -> list[str]:
+    out = []
+    for k, v in sorted(vars(args).items()):
+        if k in _NOT_SERVER_ARGS or v in (None, False):
+            continue
+        out.append(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}"))
+    return out
