@@ -220,7 +220,7 @@ def rows_from_facts(host: str, facts: dict[str, Any], units: list[str]) -> list[
         restarts = sd.get("restarts")
         if sd.get("loaded") == "not-found":
             active, restarts = "not-installed", None
-        elif sd.get("sub") and active not in (None, "unknown"):
+        elif sd.get("sub") and sd["sub"] != active and active not in (None, "unknown"):
             active = f"{active} ({sd['sub']})"
         rows.append(Row(
             host=host, unit=unit, reachable=True, active=active, uptime_seconds=sd.get("uptime_seconds"),
