@@ -16,8 +16,8 @@ import triton.language as tl
 
 MAX_HORIZON = 15
 MAX_TOPK = 2047
-_INVALID = 2**63 - 1  # the first ranks word of an empty slot: loses every tie
-_LOG_PROB_FLOOR = -1e300  # -inf log-probs clamp here so that sums stay comparable (as tree.py)
+_INVALID = tl.constexpr(2**63 - 1)  # the first ranks word of an empty slot: loses every tie
+_LOG_PROB_FLOOR = tl.constexpr(-1e300)  # -inf log-probs clamp here so that sums stay comparable (as tree.py)
 
 
 @triton.jit

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-_PAD_KEY = -(2**63)  # below every real key (a real -inf still sorts above it)
+_PAD_KEY = tl.constexpr(-(2**63))  # below every real key (a real -inf still sorts above it)
 
 
 @triton.jit

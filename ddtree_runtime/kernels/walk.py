@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-_BIG = 2**62
+_BIG = tl.constexpr(2**62)
 
 
 @triton.jit
