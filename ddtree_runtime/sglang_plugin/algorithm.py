@@ -143,11 +143,11 @@ def resolve_server_args(server_args: Any) -> None:
             f"(got {cfg.speculative_num_draft_tokens}). --speculative-dflash-block-size still "
             "overrides the drafter block."
         )
-    check_refusals(cfg)
     try:
         _handle_dflash(record)  # device, pp, draft path, steps/topk = 1, block size, mrr 48
     except ValueError as exc:
         raise DDTreeConfigError(f"DDTREE builds on DFLASH, which refused: {exc}") from exc
+    check_refusals(cfg)
     block = int(cfg.speculative_num_draft_tokens)
     if block < 2:
         raise DDTreeConfigError(f"DDTREE needs a drafter block of at least 2 (got {block}).")

@@ -1,0 +1,133 @@
+"""A full DDTREE command line through SGLang's own parser and resolution pipeline (0.5.23)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.sglang.conftest import ddtree_argv, resolve
+
+pytestmark = pytest.mark.sglang
+
+
+def test_full_command_line_resolves_with_dflash_defaults_and_ddtree_sizes(sglang_plugins, pair):
+    target, draft = pair
+    record, cfg = resolve(
+        ddtree_argv(
+            target, draft,
+            "--speculative-ddtree-budget", "24",
+            "--speculative-ddtree-topk-cap", "4",
+            "--mem-fraction-static", "0.8",
+            "--context-length", "4096",
+            "--enable-metrics",
+        )
+    )
+    assert cfg.speculative_algorithm == "DDTREE"
+    # DFLASH's defaults, applied by delegating to SGLang's own _handle_dflash
+    assert cfg.speculative_num_steps == 1
+    assert cfg.speculative_eagle_topk == 1
+    assert cfg.max_running_requests == 48
+    # drafter block from the draft config (16); verify width budget + 1 (25) decoupled from it
+    assert cfg.speculative_dflash_block_size == 16
+    assert cfg.speculative_num_draft_tokens == 25
+    assert cfg.disable_overlap_schedule is True
+    assert cfg.attention_backend == "triton"
+    assert cfg.mem_fraction_static == 0.8 and cfg.context_length == 4096
+    settings = record._ddtree_resolved
+    assert settings["budget"] == 24 and settings["topk_cap"] == 4 and settings["block_size"] == 16
+    assert settings["contract"]["target_layer_ids"] == [1, 9, 17, 25, 33]
+    assert settings["contract"]["fc_in_features"] == 20480
+
+
+def test_default_budget_is_one_node_per_draft_position(sglang_plugins, pair):
+    record, cfg = resolve(ddtree_argv(*pair))
+    assert record._ddtree_resolved["budget"] == 15
+    assert cfg.speculative_num_draft_tokens == 16
+
+
+def test_small_budget_keeps_the_drafter_block_as_kv_reservation(sglang_plugins, pair):
+    record, cfg = resolve(ddtree_argv(*pair, "--speculative-ddtree-budget", "4"))
+    assert record._ddtree_resolved["budget"] == 4
+    # the draft block and the verify write the same reserved window: reserve max(block, budget+1)
+    assert cfg.speculative_num_draft_tokens == 16
+    assert cfg.speculative_dflash_block_size == 16
+
+
+def test_explicit_max_running_requests_is_kept(sglang_plugins, pair):
+    _, cfg = resolve(ddtree_argv(*pair, "--max-running-requests", "8"))
+    assert cfg.max_running_requests == 8
+
+
+def test_dflash_block_size_flag_overrides_the_draft_config(sglang_plugins, pair):
+    record, cfg = resolve(ddtree_argv(*pair, "--speculative-dflash-block-size", "8"))
+    assert cfg.speculative_dflash_block_size == 8
+    assert record._ddtree_resolved["budget"] == 7
+
+
+def test_dflash_resolution_is_unchanged_by_the_plugin(sglang_plugins, pair):
+    target, draft = pair
+    argv = ddtree_argv(target, draft)
+    argv[argv.index("DDTREE")] = "DFLASH"
+    record, cfg = resolve(argv)
+    assert cfg.speculative_num_draft_tokens == 16
+    assert cfg.disable_overlap_schedule is False
+    assert getattr(record, "_ddtree_resolved", None) is None
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("0", "--speculative-ddtree-budget must be at least 1, got 0"),
+        ("many", "--speculative-ddtree-budget takes a whole number, got 'many'"),
+        ("5000", "--speculative-ddtree-budget must be at most 1023"),
+    ],
+)
+def test_bad_budget_is_rejected_by_sglangs_parser(sglang_plugins, pair, capsys, value, message):
+    from sglang.srt.server_args import prepare_server_args
+
+    with pytest.raises(SystemExit) as exc:
+        prepare_server_args(ddtree_argv(*pair, "--speculative-ddtree-budget", value))
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_topk_cap_is_rejected_by_sglangs_parser(sglang_plugins, pair, capsys):
+    from sglang.srt.server_args import prepare_server_args
+
+    with pytest.raises(SystemExit):
+        prepare_server_args(ddtree_argv(*pair, "--speculative-ddtree-topk-cap", "-3"))
+    assert "--speculative-ddtree-topk-cap must be at least 1, got -3" in capsys.readouterr().err
+
+
+def test_num_draft_tokens_conflicts_with_the_budget(sglang_plugins, pair):
+    from ddtree_runtime.sglang_plugin.gates import DDTreeConfigError
+
+    with pytest.raises(DDTreeConfigError, match="drop --speculative-num-draft-tokens"):
+        resolve(ddtree_argv(*pair, "--speculative-num-draft-tokens", "16"))
+
+
+def test_cpu_device_is_refused_through_dflash(sglang_plugins, pair):
+    from ddtree_runtime.sglang_plugin.gates import DDTreeConfigError
+
+    argv = ddtree_argv(*pair)
+    argv[argv.index("cuda")] = "cpu"
+    with pytest.raises(DDTreeConfigError, match=r"DDTREE builds on DFLASH.*not supported.*device 'cpu'"):
+        resolve(argv)
+
+
+def test_width_mismatch_fails_at_resolution(sglang_plugins, tmp_path):
+    from ddtree_runtime.contract import ContractError
+    from tests.fixtures_models import write_pair
+
+    # the field failure: a drafter trained on 5 target layers, given a 1-layer capture width
+    target, draft = write_pair(tmp_path, "qwen3-8b", fc_shape=(4096, 4096))
+    expected = r"drafter fc expects \[N, 4096\] but the target captures \[N, 20480\]"
+    with pytest.raises(ContractError, match=expected):
+        resolve(ddtree_argv(target, draft))
+
+
+def test_unknown_without_the_plugin_is_sglangs_own_error(pair):
+    """The same name without registration: SGLang's message (what the diagnose tool keys on)."""
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    with pytest.raises(ValueError, match="Unknown speculative algorithm name: DDTREE2"):
+        SpeculativeAlgorithm.from_string("DDTREE2")
