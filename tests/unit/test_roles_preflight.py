@@ -1,0 +1,60 @@
+"""Preflight refuses bad input before any change, naming the valid choices (real ansible-playbook)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.unit._ansible import PLAYBOOKS, REPO, playbook
+
+
+def run(*extra: str):
+    args: list[str] = ["-e", f"ddtree_runtime_source_dir={REPO}"]
+    for e in extra:
+        args += ["-e", e]
+    return playbook(PLAYBOOKS / "preflight.yml", *args)
+
+
+def test_known_profile_passes():
+    result = run("sglang_profile=shadow-small")
+    assert result.returncode == 0, result.stdout[-3000:]
+
+
+def test_preflight_checks_the_checkout():
+    result = playbook(PLAYBOOKS / "preflight.yml")  # ddtree_runtime_source_dir = the playbook's folder
+    assert result.returncode != 0
+    assert "pyproject.toml not found: run ansible-playbook from the checkout" in result.stdout
+
+
+def test_unknown_profile_names_the_valid_choices():
+    result = run("sglang_profile=turbo")
+    assert result.returncode != 0
+    # The role's argument spec refuses it first (Ansible's own message, with the choices).
+    assert ("sglang_service_profile must be one of: balanced, shadow, shadow-small, shadow-small-nograph, "
+            "got: turbo") in result.stdout
+
+
+def test_removed_flag_spelling_is_refused():
+    profiles = {"sglang_service_profiles": {"balanced": {"description": "x", "port": 30000,
+                                                         "flags": {"cuda-graph-max-bs": 8}}}}
+    result = run(json.dumps(profiles), "sglang_profile=balanced")
+    assert result.returncode != 0
+    assert "no longer accepts" in result.stdout and "cuda-graph-max-bs" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ("sglang_service_port=70000", "port must be 1..65535"),
+        ("ddtree_runtime_install_source=ftp", "install_source must be one of: index, wheelhouse"),
+        ("ddtree_runtime_keep_releases=0", "ddtree_runtime_keep_releases >= 1"),
+        ("ddtree_probe_min_accept_length=0.5", "ddtree_probe_min_accept_length >= 1.0"),
+        ('{"sglang_extra_env": {"BAD NAME": "x"}}', "sglang_extra_env must map NAME"),
+        ('{"sglang_service_sandbox_disable": ["NoSuchDirective"]}', "sandbox_disable only names"),
+    ],
+)
+def test_invalid_variables_are_refused_with_what_to_do(extra, expected):
+    result = run(extra)
+    assert result.returncode != 0
+    assert expected in " ".join(result.stdout.split()), result.stdout[-3000:]

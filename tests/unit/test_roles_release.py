@@ -1,0 +1,62 @@
+"""Release naming: the id is the content of the ddtree-runtime wheel plus the pins, nothing else."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.unit._ansible import REPO
+
+BUILD = REPO / "roles/ddtree_runtime/files/build_release.py"
+
+
+@pytest.fixture
+def checkout(tmp_path) -> Path:
+    src = tmp_path / "checkout"
+    (src / "ddtree_runtime").mkdir(parents=True)
+    (src / "pyproject.toml").write_text(
+        '[build-system]\nrequires = ["setuptools>=68"]\nbuild-backend = "setuptools.build_meta"\n'
+        '[project]\nname = "ddtree-runtime"\nversion = "0.1.0"\n'
+        '[tool.setuptools.packages.find]\ninclude = ["ddtree_runtime*"]\n'
+    )
+    (src / "ddtree_runtime/__init__.py").write_text("VALUE = 1\n")
+    return src
+
+
+def build(src: Path, out: Path, *pins: str) -> dict:
+    cmd = [sys.executable, str(BUILD), "--source", str(src), "--out", str(out), *(f"--pin={p}" for p in pins)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_same_checkout_same_release(checkout, tmp_path):
+    first = build(checkout, tmp_path / "out", "sglang==0.5.23")
+    # A fresh copy of the same files (new mtimes, stray caches) names the same release.
+    copy = tmp_path / "copy"
+    shutil.copytree(checkout, copy)
+    (copy / "ddtree_runtime/__pycache__").mkdir()
+    (copy / "ddtree_runtime/__pycache__/x.pyc").write_bytes(b"junk")
+    second = build(copy, tmp_path / "out2", "sglang==0.5.23")
+    assert first["release_id"] == second["release_id"]
+    assert Path(first["wheel"]).name == first["wheel_name"] and Path(first["wheel"]).is_file()
+    assert Path(first["wheel"]).parent.name == first["release_id"]
+
+
+def test_changed_code_or_pins_name_a_new_release(checkout, tmp_path):
+    base = build(checkout, tmp_path / "out", "sglang==0.5.23")["release_id"]
+    assert build(checkout, tmp_path / "out", "sglang==0.5.22")["release_id"] != base
+    (checkout / "ddtree_runtime/__init__.py").write_text("VALUE = 2\n")
+    assert build(checkout, tmp_path / "out", "sglang==0.5.23")["release_id"] != base
+
+
+def test_not_a_checkout_is_refused(tmp_path):
+    cmd = [sys.executable, str(BUILD), "--source", str(tmp_path), "--out", str(tmp_path / "o")]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode != 0
+    assert "no pyproject.toml" in result.stderr
