@@ -16,7 +16,7 @@ test: venv
 lint: venv
 	$(VENV)/bin/ruff check .
 
-venv: $(VENV)/.installed
+venv: $(VENV)/.installed $(VENV)/.sglang-installed
 
 # torch==2.13.0 first: it is the CPU wheel on disk; an unpinned torch would pull GBs of CUDA wheels.
 $(VENV)/.installed: pyproject.toml
@@ -25,6 +25,15 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[ops,dev]'
 	touch $@
+
+# --- sglang test environment (issue 4, sglang plugin): the pinned SGLang's real code for tests/sglang,
+# without its CUDA dependency tree (docs/sglang-pin.md). The requirements file pins torch==2.13.0 so pip
+# cannot swap in a CUDA torch.
+$(VENV)/.sglang-installed: $(VENV)/.installed requirements/sglang-test.txt
+	$(PIP) install -q -r requirements/sglang-test.txt
+	$(PIP) install -q --no-deps sglang==0.5.23
+	touch $@
+# --- end sglang test environment
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
