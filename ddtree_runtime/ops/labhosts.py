@@ -87,6 +87,7 @@ def up(
         _write_manifest(lab, rootfs)
         _ensure_key(lab)
         wheelhouse_dir().mkdir(parents=True, exist_ok=True)
+        _take_over_stale(lab, progress)
         lab_net.ensure_bridge(lab.bridge, f"{lab.gateway}/24", lab.bridge_alias)
         booting = []
         for host in lab.hosts:
@@ -104,6 +105,38 @@ def up(
             f"inventory {lab.inventory_dir}"
         )
     return lab
+
+
+def _take_over_stale(lab: Lab, progress: Progress) -> None:
+    """A lab of the same name left by another checkout whose machines are gone (a CI clone after a
+    session, a controller reboot) keeps its bridge and namespaces: remove them so this one can start.
+    A live one, or another lab on the same subnet, is refused by ensure_bridge."""
+    owner = lab_net.link_alias(lab.bridge)
+    if owner is None or owner == lab.bridge_alias or not owner.startswith(f"ddtree-lab:{lab.name}:"):
+        return
+    stale = _known_hosts_of(lab)
+    if any(lab_nspawn.nspawn_pids(h.machine) for h in stale):
+        return
+    progress(f"lab {lab.name!r}: removing what a stopped lab of the same name left ({owner})")
+    for host in stale:
+        lab_nspawn.stop(host)
+        lab_net.delete_netns(host.netns)
+        lab_net.delete_link(host.veth)
+    lab_net.delete_link(lab.bridge)
+
+
+def _refuse_foreign(lab: Lab) -> None:
+    """The same lab name run from another checkout (same machine names, same subnet) is not ours to stop."""
+    owner = lab_net.link_alias(lab.bridge)
+    if owner is None or owner == lab.bridge_alias:
+        return
+    if not owner.startswith(f"ddtree-lab:{lab.name}:") or any(
+        lab_nspawn.nspawn_pids(h.machine) for h in _known_hosts_of(lab)
+    ):
+        raise LabError(
+            f"lab {lab.name!r} on bridge {lab.bridge} belongs to {owner!r}, not to this checkout: "
+            "bring it down from there (or pick another --name)"
+        )
 
 
 def _start_host(lab: Lab, host: LabHost, rootfs: Path) -> None:
@@ -211,6 +244,8 @@ def down(name: str = DEFAULT_NAME, *, progress: Progress = _say) -> None:
     check_prerequisites()
     with _lab_lock(name):
         lab = Lab(name, 1)
+        _refuse_foreign(lab)
+        _take_over_stale(lab, progress)
         hosts = _known_hosts_of(lab)
         for host in hosts:
             _remove_host(lab, host)
