@@ -229,20 +229,27 @@ def build_tree(draft_logits: Tensor, budget: int, *, topk_cap: int | None = None
     level_parent: list[Tensor] = []
     level_rank: list[Tensor] = []
     prev_scores = torch.zeros(b, 1, dtype=sdt, device=device)  # the root
+    prev_by_key = torch.zeros(b, 1, dtype=torch.long, device=device)  # lex positions, best first
     for d in range(horizon):
         cap = budget - d  # at most B - d + 1 nodes at 1-based depth d + 1
         if cap <= 0:
             break
-        width = prev_scores.shape[1]
-        # Candidate c = parent_pos * K + rank: ascending c is ranks-lexicographic order.
-        cand = (prev_scores.unsqueeze(-1) + lp64[:, d].unsqueeze(1)).reshape(b, width * k)
-        keep = min(cap, width * k)
-        best = torch.argsort(-cand, dim=-1, stable=True)[:, :keep]
-        chosen, _ = torch.sort(best, dim=-1)  # back to lexicographic order
-        level_scores.append(cand.gather(1, chosen))
+        # Only children (j-th best parent, rank r) with (j+1)(r+1) <= cap can make the cut: that
+        # many candidates (better parents x better ranks) beat them. ~cap*ln(cap) of them.
+        j_idx, r_idx = _candidate_grid(cap, prev_scores.shape[1], k, device)
+        m = j_idx.numel()
+        parent_lex = prev_by_key[:, j_idx]  # [b, M]
+        cand = prev_scores.gather(1, parent_lex) + lp64[:, d, r_idx]
+        lex_id = parent_lex * k + r_idx  # ascending = ranks-lexicographic order
+        by_lex = torch.argsort(lex_id, dim=-1, stable=True)
+        by_key = by_lex.gather(1, torch.argsort(-cand.gather(1, by_lex), dim=-1, stable=True))
+        best = by_key[:, : min(cap, m)]  # candidate indices, best first
+        chosen, to_key = torch.sort(lex_id.gather(1, best), dim=-1)  # the level in lex order
+        level_scores.append(cand.gather(1, best).gather(1, to_key))
         level_parent.append(torch.div(chosen, k, rounding_mode="floor"))
         level_rank.append(chosen % k)
         prev_scores = level_scores[-1]
+        prev_by_key = torch.argsort(to_key, dim=-1)  # key rank -> lex position
 
     preorder = _preorder_index(level_parent)
     scores = torch.cat(level_scores, dim=1)  # [b, N], levels concatenated
@@ -278,6 +285,16 @@ def build_tree(draft_logits: Tensor, budget: int, *, topk_cap: int | None = None
         num_nodes=torch.full((b,), n, dtype=torch.long, device=device),
         horizon=horizon,
     )
+
+
+def _candidate_grid(cap: int, width: int, k: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """All (j, r) with j < width, r < k and (j + 1) * (r + 1) <= cap, j-major."""
+    j = torch.arange(min(width, cap), device=device)
+    counts = torch.clamp(torch.div(cap, j + 1, rounding_mode="floor"), max=k)
+    j_idx = torch.repeat_interleave(j, counts)
+    starts = torch.cumsum(counts, 0) - counts
+    r_idx = torch.arange(j_idx.numel(), device=device) - torch.repeat_interleave(starts, counts)
+    return j_idx, r_idx
 
 
 def _empty_tree(b: int, budget: int, horizon: int, device: torch.device) -> DraftTree:

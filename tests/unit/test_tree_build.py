@@ -66,8 +66,8 @@ def test_batched_build_equals_reference_heap(tied: bool) -> None:
 def test_larger_trees_equal_reference_heap() -> None:
     rng = random.Random(7)
     for tied in (False, True):
-        for budget in (16, 64, 130):
-            logits = _random_logits(rng, 3, 15, 300, tied)
+        for budget, vocab in ((16, 300), (64, 300), (130, 300), (300, 40), (200, 3)):
+            logits = _random_logits(rng, 3, 15, vocab, tied)
             _assert_matches_reference(build_tree(logits, budget), logits, budget)
 
 
