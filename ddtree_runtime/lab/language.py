@@ -1,6 +1,6 @@
 """The lab language: a seeded word-level Markov chain the lab target is trained on, and the lab prompts.
 
-Each word has three successors with probabilities 0.6 / 0.3 / 0.1. The most likely successors form one cycle
+Each word has three successors with probabilities 0.7 / 0.2 / 0.1. The most likely successors form one cycle
 through every word, so greedy output walks the whole vocabulary (varied text, never a one-token loop), while
 sampling at T > 0 branches. A drafter that predicts several steps ahead has to learn that walk, which a tiny
 drafter trained briefly does only partly: acceptance is real and well below the block size.
@@ -12,7 +12,7 @@ import random
 
 from ddtree_runtime.lab.tokenizer import IM_END_ID, IM_START_ID, WORD_TOKENS, LabTokenizer
 
-SUCCESSOR_PROBS = (0.6, 0.3, 0.1)
+SUCCESSOR_PROBS = (0.7, 0.2, 0.1)
 
 # Prompts the lab's probes, tests and benchmark use (in-language, so the drafter has something to predict).
 LAB_PROMPTS = (

@@ -150,8 +150,8 @@ def make_models(
     out_dir: str | Path,
     *,
     seed: int = 0,
-    target_steps: int = 160,
-    draft_steps: int = 400,
+    target_steps: int = 120,
+    draft_steps: int = 300,
     log: Callable[[str], None] = print,
 ) -> dict:
     """Train and write the lab models; returns a summary (losses, seconds, paths)."""

@@ -1,0 +1,106 @@
+"""Shared by the test_lab_* modules: lab models (made once, cached by source hash), server processes."""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from functools import cache
+from pathlib import Path
+
+import ddtree_runtime.lab as lab_pkg
+
+_SOURCES = ("make.py", "models.py", "language.py", "tokenizer.py")
+
+
+@cache
+def lab_models() -> Path:
+    """DIR with target/, draft/, draft-mismatched/; rebuilt only when the model-making code changes."""
+    digest = hashlib.sha256()
+    for name in _SOURCES:
+        digest.update((Path(lab_pkg.__file__).parent / name).read_bytes())
+    root = Path(tempfile.gettempdir()) / f"ddtree-lab-models-{os.getuid()}-{digest.hexdigest()[:16]}"
+    stamp = root / "done.json"
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not stamp.exists():
+            from ddtree_runtime.lab.make import make_models
+
+            summary = make_models(root, log=lambda _msg: None)
+            stamp.write_text(json.dumps(summary))
+    return root
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LabServerProcess:
+    """`ddtree lab serve ...` as a child process, its log in a file."""
+
+    def __init__(self, args: list[str], *, env: dict[str, str] | None = None, tmp: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tmp / f"serve-{self.port}.log"
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("DDTREE_LAB_")}
+        full_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "ddtree_runtime", "lab", "serve", *args, "--port", str(self.port)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=full_env,
+            )
+
+    @property
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited {self.proc.returncode} before ready:\n{self.log}")
+            if "The server is fired up and ready to roll!" in self.log:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"server not ready in {timeout}s:\n{self.log}")
+
+    def wait_exit(self, timeout: float = 60) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired as exc:
+            self.stop()
+            raise AssertionError(f"server still running after {timeout}s:\n{self.log}") from exc
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def http(url: str, payload: dict | bytes | None = None, *, timeout: float = 60) -> tuple[int, bytes]:
+    """(status, body) of a GET, or a POST when payload is given; HTTP errors are returned, not raised."""
+    data = payload if isinstance(payload, bytes) or payload is None else json.dumps(payload).encode()
+    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
