@@ -12,6 +12,7 @@ name instead. This module imports nothing else of ours.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 import os
@@ -287,8 +288,9 @@ def build_tree(draft_logits: Tensor, budget: int, *, topk_cap: int | None = None
     )
 
 
+@functools.lru_cache(maxsize=512)
 def _candidate_grid(cap: int, width: int, k: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """All (j, r) with j < width, r < k and (j + 1) * (r + 1) <= cap, j-major."""
+    """All (j, r) with j < width, r < k and (j + 1) * (r + 1) <= cap, j-major (cached, read-only)."""
     j = torch.arange(min(width, cap), device=device)
     counts = torch.clamp(torch.div(cap, j + 1, rounding_mode="floor"), max=k)
     j_idx = torch.repeat_interleave(j, counts)

@@ -16,6 +16,8 @@ from ddtree_runtime import kernels
 from ddtree_runtime import tree as tree_mod
 from ddtree_runtime.tree import _reference_build_tree, build_tree, topk_log_probs
 
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
 
 def _reference(logits: torch.Tensor, budget: int, topk_cap: int | None = None):
     """Per request: the literal heap over the same per-depth top-K."""

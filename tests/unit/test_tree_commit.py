@@ -17,6 +17,8 @@ from ddtree_runtime.tree import WalkResult, build_tree, commit_plan, walk_poster
 
 PREFIX_MARK = -1_000_000
 
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
 
 def _walks(seed: int, b: int = 6, budget: int = 20, horizon: int = 6, vocab: int = 8):
     gen = torch.Generator().manual_seed(seed)

@@ -7,6 +7,7 @@ drawn here directly) are compared with the target's joint p1(x1) p2(x2 | x1) by 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ddtree_runtime.tree import DraftTree, build_tree, walk_sample
@@ -18,6 +19,8 @@ P2 = torch.tensor(  # target p(x2 | x1), one row per x1
     [[0.1, 0.6, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25], [0.7, 0.1, 0.1, 0.1], [0.05, 0.15, 0.3, 0.5]]
 )
 Q = torch.tensor([[0.7, 0.2, 0.05, 0.05], [0.5, 0.3, 0.15, 0.05]])  # draft marginals, depths 1..2
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 
 def _toy_tree() -> DraftTree:

@@ -17,6 +17,8 @@ from ddtree_runtime.tree import (
     walk_posterior,
 )
 
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
 
 def _tree(seed: int, b: int = 3, horizon: int = 5, vocab: int = 12, budget: int = 14, cap=None) -> DraftTree:
     gen = torch.Generator().manual_seed(seed)
