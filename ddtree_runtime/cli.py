@@ -18,6 +18,7 @@ _TOP_LEVEL = (
     "ddtree_runtime.diagnose",
     "ddtree_runtime.metrics",
     "ddtree_runtime.ops.fleet",
+    "ddtree_runtime.canary",
 )
 _LAB = (
     "ddtree_runtime.lab.cli",  # make-models, serve, bench (host side)
