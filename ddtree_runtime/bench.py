@@ -115,6 +115,21 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
+def kernels_topk(draft: Any, budget: int) -> tuple:
+    from ddtree_runtime.kernels.topk import topk_log_probs
+
+    return topk_log_probs(draft, min(budget, draft.shape[-1]))
+
+
+def _topk_matches_stable(got: tuple, draft: Any, budget: int) -> bool:
+    import torch
+
+    k = min(budget, draft.shape[-1])
+    lp = torch.log_softmax(draft.float(), -1)
+    order = torch.sort(lp, dim=-1, descending=True, stable=True).indices[..., :k]
+    return bool(torch.equal(got[1], order))
+
+
 def _stats(times: list[float]) -> dict[str, float]:
     return {"median_us": round(statistics.median(times), 2), "min_us": round(min(times), 2)}
 
@@ -186,6 +201,16 @@ def bench_tree_case(
         "kernel_excl_target_argmax_us": round(k_stats["median_us"] - stages["target_argmax"], 2),
         "torch_topk_after_log_softmax_us": _stats(ref_times)["median_us"],
         "identical": _same(kernel_out, plain_out),
+        # Where they differ: does each path's top-K equal the fully ordered one (stable sort by
+        # log-prob, ties by id)? torch.topk may pick any of the tied ids at the K-th place.
+        "differs_in": [
+            name for name, a, b in zip(("tree", "verify", "walk", "plan"), kernel_out, plain_out, strict=True)
+            if not _same(a, b)
+        ],
+        "kernel_topk_is_stable_order": _topk_matches_stable(kernels_topk(s0[0], budget), s0[0], budget),
+        "plain_topk_is_stable_order": _topk_matches_stable(
+            tree.topk_log_probs(s0[0], min(budget, vocab)), s0[0], budget
+        ),
         "mean_accepted": round(float(kernel_out[2].num_accepted.float().mean()), 2),
         "input_sets": n_sets,
         "iters": iters,

@@ -144,7 +144,7 @@ def build_from_topk(top_lp: torch.Tensor, top_ids: torch.Tensor, budget: int):
         f = max(_pow2(budget), 16)
         _build_kernel[(b,)](
             top_lp, top_ids, horizon, k, budget, tokens, depths, parents, scores, ranks,
-            F=f, BP=f, num_warps=4 if f <= 256 else 8,
+            F=f, BP=f, num_warps=1 if f <= 128 else (2 if f <= 512 else 4),
         )
     # Prefixes run out only when L * K-paths < B: the count is static, so no device read is needed.
     n = min(budget, _num_prefixes(horizon, k))

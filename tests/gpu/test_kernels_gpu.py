@@ -24,6 +24,10 @@ def assert_same(a, b, what: str = "") -> None:
         assert type(a) is type(b)
         for f in dataclasses.fields(a):
             assert_same(getattr(a, f.name), getattr(b, f.name), f"{what}.{f.name}")
+    elif isinstance(a, tuple):
+        assert len(a) == len(b), what
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{what}[{i}]")
     elif isinstance(a, torch.Tensor):
         assert a.shape == b.shape and a.dtype == b.dtype, what
         if a.is_floating_point():
