@@ -77,10 +77,9 @@ def up(
     with _lab_lock(name):
         previous = _manifest_hosts(lab)
         if previous > num_hosts:
-            raise LabError(
-                f"lab {name!r} already runs {previous} hosts; "
-                f"`ddtree lab down --name {name}` first to shrink it"
-            )
+            # Never shrink behind a user's back: the hosts asked for are among those already up.
+            progress(f"lab {name!r} has {previous} hosts; keeping them (down first to shrink it)")
+            lab = Lab(name, previous)
         started = time.monotonic()
         rootfs = lab_rootfs.ensure_rootfs(progress)
         lab.state_dir.mkdir(parents=True, exist_ok=True)
