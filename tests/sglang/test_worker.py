@@ -1,0 +1,131 @@
+"""Worker selection, the start-up width check and the after-every-forward hidden-state guard."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.sglang.conftest import ddtree_argv, resolve
+
+pytestmark = pytest.mark.sglang
+
+
+def test_create_worker_selects_the_ddtree_worker_on_dflash_v2(sglang_plugins, pair):
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+    from ddtree_runtime.sglang_plugin.worker import DDTreeWorker
+
+    record, _ = resolve(ddtree_argv(*pair))
+    worker_cls = sglang_plugins.from_string("DDTREE").create_worker(record)
+    assert worker_cls is DDTreeWorker
+    assert issubclass(worker_cls, DFlashWorkerV2)
+    # DFLASH still gets SGLang's own worker
+    assert sglang_plugins.DFLASH.create_worker(record) is DFlashWorkerV2
+
+
+def test_worker_start_fails_on_a_width_mismatch_before_touching_the_gpu(sglang_plugins, pair, tmp_path):
+    from ddtree_runtime.contract import ContractError
+    from ddtree_runtime.sglang_plugin.worker import DDTreeWorker
+    from tests.fixtures_models import write_pair
+
+    record, _ = resolve(ddtree_argv(*pair))
+    # the drafter on disk changes after resolution (a redeploy swapped the checkpoint)
+    bad_target, bad_draft = write_pair(tmp_path / "bad", "qwen3-8b", fc_shape=(4096, 5120))
+    from sglang.srt.arg_groups.overrides import declare_resolution
+
+    declare_resolution(record, "test", speculative_draft_model_path=str(bad_draft))
+    target_worker = SimpleNamespace(forward_batch_generation=lambda *a, **k: None)
+    with pytest.raises(ContractError) as exc:
+        DDTreeWorker(record, gpu_id=0, nccl_port=0, target_worker=target_worker)
+    assert exc.value.cause == "fc_width_mismatch"
+    assert "[N, 5120]" in str(exc.value) and "[N, 20480]" in str(exc.value)
+
+
+def test_worker_refuses_to_start_without_resolved_ddtree_settings(sglang_plugins, pair):
+    from ddtree_runtime.sglang_plugin.gates import DDTreeConfigError
+    from ddtree_runtime.sglang_plugin.worker import DDTreeWorker
+
+    argv = ddtree_argv(*pair)
+    argv[argv.index("DDTREE")] = "DFLASH"
+    record, _ = resolve(argv)
+    with pytest.raises(DDTreeConfigError, match="resolved settings"):
+        DDTreeWorker(record, gpu_id=0, nccl_port=0, target_worker=SimpleNamespace())
+
+
+class _TargetWorker:
+    """Stands in for TpModelWorker.forward_batch_generation's return value only."""
+
+    def __init__(self, hidden):
+        self.hidden = hidden
+        self.calls = 0
+
+    def forward_batch_generation(self, batch=None, forward_batch=None, capture_hidden_mode=None, **_):
+        self.calls += 1
+        return SimpleNamespace(logits_output=SimpleNamespace(hidden_states=self.hidden))
+
+
+def _guarded(pair, hidden):
+    from ddtree_runtime.contract import load_contract
+    from ddtree_runtime.sglang_plugin.handshake import HandshakeState, static_handshake
+    from ddtree_runtime.sglang_plugin.worker import guard_target_forward
+
+    contract = load_contract(*pair)
+    state = HandshakeState(static_handshake({"budget": 15, "block_size": 16, "contract": contract.to_dict()}))
+    seen = []
+    target = _TargetWorker(hidden)
+    forward = guard_target_forward(target.forward_batch_generation, contract, state, seen.append)
+    return forward, state, seen, target
+
+
+def _full_mode():
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+    return CaptureHiddenMode.FULL
+
+
+def test_guard_passes_the_right_width_and_records_the_handshake(sglang_plugins, pair):
+    forward, state, seen, _ = _guarded(pair, torch.zeros(7, 20480))
+    batch = SimpleNamespace(extend_lens=[3, 4])
+    forward(batch, capture_hidden_mode=_full_mode())
+    assert state.to_dict()["status"] == "ok" and state.to_dict()["observed_hidden_width"] == 20480
+    assert seen[-1]["status"] == "ok"
+
+
+def test_guard_fails_on_the_field_failure_width(sglang_plugins, pair):
+    from ddtree_runtime.contract import ContractError
+
+    forward, state, _, _ = _guarded(pair, torch.zeros(7, 4096))  # [N, H] instead of [N, 5H]
+    with pytest.raises(ContractError, match=r"expects \[N, 20480\].*got \[N, 4096\]") as exc:
+        forward(SimpleNamespace(extend_lens=[7]), capture_hidden_mode=_full_mode())
+    assert exc.value.cause == "hidden_width_mismatch"
+    assert state.to_dict()["status"] == "mismatch"
+
+
+def test_guard_fails_on_missing_hidden_states(sglang_plugins, pair):
+    from ddtree_runtime.contract import ContractError
+
+    forward, state, _, _ = _guarded(pair, None)
+    with pytest.raises(ContractError) as exc:
+        forward(SimpleNamespace(extend_lens=[2]), capture_hidden_mode=_full_mode())
+    assert exc.value.cause == "hidden_states_missing"
+    assert state.to_dict()["status"] == "missing"
+
+
+def test_guard_checks_the_verify_row_count(sglang_plugins, pair):
+    from ddtree_runtime.contract import ContractError
+
+    forward, _, _, _ = _guarded(pair, torch.zeros(32, 20480))
+    verify = SimpleNamespace(input_ids=torch.zeros(2 * 17, dtype=torch.long), capture_hidden_mode=_full_mode())
+    with pytest.raises(ContractError, match="34 tokens"):
+        forward(batch=None, forward_batch=verify, is_verify=True)
+
+
+def test_guard_ignores_forwards_that_feed_no_drafter(sglang_plugins, pair):
+    from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+
+    forward, state, _, target = _guarded(pair, None)
+    forward(SimpleNamespace(extend_lens=[3]), capture_hidden_mode=CaptureHiddenMode.NULL)
+    forward(SimpleNamespace(extend_lens=[]), capture_hidden_mode=_full_mode())  # idle rank
+    assert target.calls == 2 and state.to_dict()["status"] == "pending"
