@@ -32,7 +32,7 @@ def test_worker_start_fails_on_a_width_mismatch_before_touching_the_gpu(sglang_p
 
     record, _ = resolve(ddtree_argv(*pair))
     # the drafter on disk changes after resolution (a redeploy swapped the checkpoint)
-    bad_target, bad_draft = write_pair(tmp_path / "bad", "qwen3-8b", fc_shape=(4096, 5120))
+    _, bad_draft = write_pair(tmp_path / "bad", "qwen3-8b", fc_shape=(4096, 5120))
     from sglang.srt.arg_groups.overrides import declare_resolution
 
     declare_resolution(record, "test", speculative_draft_model_path=str(bad_draft))
@@ -117,7 +117,9 @@ def test_guard_checks_the_verify_row_count(sglang_plugins, pair):
     from ddtree_runtime.contract import ContractError
 
     forward, _, _, _ = _guarded(pair, torch.zeros(32, 20480))
-    verify = SimpleNamespace(input_ids=torch.zeros(2 * 17, dtype=torch.long), capture_hidden_mode=_full_mode())
+    verify = SimpleNamespace(
+        input_ids=torch.zeros(2 * 17, dtype=torch.long), capture_hidden_mode=_full_mode()
+    )
     with pytest.raises(ContractError, match="34 tokens"):
         forward(batch=None, forward_batch=verify, is_verify=True)
 
