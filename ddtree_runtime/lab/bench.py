@@ -98,6 +98,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=None, help="repeat the lab prompts to this many")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
 
 
 def bench_main(args: argparse.Namespace) -> int:
@@ -107,6 +108,9 @@ def bench_main(args: argparse.Namespace) -> int:
         print(f"--budgets {args.budgets!r}: give integers separated by commas, e.g. 16,64", file=sys.stderr)
         return 2
     device = args.device or _default_device()
+    import torch
+
+    torch.set_num_threads(args.threads)  # tiny models: one thread is the fastest on CPU
     with tempfile.TemporaryDirectory(prefix="ddtree-lab-bench-") as tmp:
         models = Path(args.models) if args.models else Path(tmp)
         if not args.models:

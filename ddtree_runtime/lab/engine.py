@@ -322,27 +322,26 @@ class LabEngine:
     # ------------------------------------------------------------------ sampling
 
     def _probs(self, logits: Tensor, params: list[SamplingParams]) -> Tensor:
-        """Processed target probabilities per request; greedy rows are one-hot (the walk is then exact)."""
+        """Processed target probabilities [b, n, V] per request (temperature, top-k, top-p); greedy rows
+        are one-hot, so one sampling walk serves a mixed batch exactly."""
+        dev = logits.device
         logits = logits.float()
-        out = torch.empty_like(logits)
-        for j, p in enumerate(params):
-            row = logits[j]
-            if p.greedy:
-                out[j] = torch.nn.functional.one_hot(row.argmax(-1), row.shape[-1]).float()
-                continue
-            row = row / p.temperature
-            if p.top_k > 0:
-                kth = row.topk(min(p.top_k, row.shape[-1]), dim=-1).values[..., -1:]
-                row = row.masked_fill(row < kth, float("-inf"))
-            probs = torch.softmax(row, dim=-1)
-            if p.top_p < 1:
-                sorted_p, order = probs.sort(dim=-1, descending=True)
-                drop = sorted_p.cumsum(-1) - sorted_p > p.top_p
-                sorted_p = sorted_p.masked_fill(drop, 0.0)
-                probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-                probs = probs / probs.sum(-1, keepdim=True)
-            out[j] = probs
-        return out
+        greedy = torch.tensor([p.greedy for p in params], device=dev)
+        temps = torch.tensor([1.0 if p.greedy else float(p.temperature) for p in params], device=dev)
+        scaled = logits / temps[:, None, None]
+        vocab = logits.shape[-1]
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev).clamp(max=vocab)
+        ordered = scaled.sort(dim=-1, descending=True).values
+        kth = ordered.gather(-1, (top_k - 1)[:, None, None].expand(-1, scaled.shape[1], 1))
+        probs = torch.softmax(scaled.masked_fill(scaled < kth, float("-inf")), dim=-1)
+        top_p = torch.tensor([float(p.top_p) for p in params], device=dev)
+        if bool((top_p < 1).any()):
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            drop = (sorted_p.cumsum(-1) - sorted_p) > top_p[:, None, None]
+            kept = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
+            probs = kept / kept.sum(-1, keepdim=True)
+        one_hot = torch.nn.functional.one_hot(logits.argmax(-1), vocab).float()
+        return torch.where(greedy[:, None, None], one_hot, probs)
 
     def _decide(self, logits: Tensor, params: list[SamplingParams]) -> Tensor:
         """Next token per row of logits [b, n, V] under each request's sampling params."""

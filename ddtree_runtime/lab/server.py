@@ -655,10 +655,13 @@ def _setup_logging(level: str) -> None:
 
 
 def _default_device(flag: str | None) -> str:
-    if flag:
-        return flag
     import torch
 
+    # The lab models are tiny: more CPU threads only spin against each other (and against the other lab
+    # hosts on the same machine). DDTREE_LAB_THREADS overrides.
+    torch.set_num_threads(int(os.environ.get("DDTREE_LAB_THREADS") or 1))
+    if flag:
+        return flag
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 

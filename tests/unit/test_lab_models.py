@@ -16,11 +16,17 @@ from ddtree_runtime.lab.engine import LabEngine, SamplingParams
 from ddtree_runtime.lab.language import LAB_PROMPTS
 from ddtree_runtime.lab.make import make_models
 from ddtree_runtime.lab.tokenizer import EOS_TOKEN_ID, MASK_TOKEN_ID, LabTokenizer
-from tests.unit._lab import lab_models
+from tests.unit._lab import lab_models, one_thread
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with one_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
-def models() -> Path:
+def models(_one_thread) -> Path:
     return lab_models()
 
 
