@@ -1,8 +1,11 @@
 """Fused per-depth top-K and fp32 log-softmax over the full vocabulary (split-V, two launches).
 
 Launch 1, one program per (row, chunk of V): an online max / sum-exp of the chunk and its local
-top-K. Launch 2, one program per row: combine the chunks' (max, sum-exp) into the row's
-logsumexp and merge their top-K lists into the row's. The logits are read once.
+top-K. Sorting every tile would cost far more than reading it, so the program first finds a lower
+bound of its K-th key from group maxima, then sorts only the few keys above it (all keys of the
+chunk when ties leave too many). Launch 2, one program per row: combine the chunks' (max,
+sum-exp) into the row's logsumexp and merge their top-K lists into the row's. The logits are read
+twice (the second time mostly from L2).
 
 Order: log-prob descending, equal log-probs by ascending token id (``tree.topk_log_probs``).
 Selection runs on 64-bit keys (order-preserving float bits, then the inverted id), so one integer
@@ -45,14 +48,18 @@ def _chunk_kernel(
     keys_ptr,
     max_ptr,
     sum_ptr,
+    scratch_ptr,
     KC: tl.constexpr,
     TILE: tl.constexpr,
+    CAP: tl.constexpr,
 ):
     row = tl.program_id(0)
     ch = tl.program_id(1)
     base = x_ptr + row.to(tl.int64) * row_stride
     start = ch * chunk
-    top = tl.full([KC], _PAD_KEY, tl.int64)
+    # Pass 1: the chunk's max / sum-exp and the KC largest of its group maxima (groups of
+    # TILE // KC keys). Their smallest, thr, is a lower bound of the chunk's KC-th key.
+    group_top = tl.full([KC], _PAD_KEY, tl.int64)
     m = tl.full([], float("-inf"), tl.float32)
     s = tl.full([], 0.0, tl.float32)
     for t in range(0, chunk, TILE):
@@ -64,9 +71,36 @@ def _chunk_kernel(
         s = s * tl.exp(m - safe) + tl.sum(tl.exp(x - safe), axis=0)
         m = new_m
         keys = tl.where(mask, _encode(x, offs), _PAD_KEY)
-        if TILE > KC:
-            keys = tl.topk(keys, KC)
-        top = tl.topk(tl.reshape(tl.join(top, keys), [2 * KC]), KC)
+        group_max = tl.max(tl.reshape(keys, [KC, TILE // KC]), axis=1)
+        group_top = tl.topk(tl.reshape(tl.join(group_top, group_max), [2 * KC]), KC)
+    thr = tl.min(group_top, axis=0)
+    # Pass 2 (the chunk again, from L2): compact the keys >= thr into this program's scratch.
+    scratch = scratch_ptr + (row.to(tl.int64) * n_chunks + ch) * CAP
+    count = tl.full([], 0, tl.int32)
+    for t in range(0, chunk, TILE):
+        offs = start + t + tl.arange(0, TILE)
+        mask = offs < vocab
+        x = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        keys = _encode(x, offs)
+        sel = mask & (keys >= thr)
+        pos = count + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        tl.store(scratch + pos, keys, mask=sel & (pos < CAP))
+        count += tl.sum(sel.to(tl.int32), axis=0)
+    tl.debug_barrier()  # the scratch written above is read back by other threads
+    if count <= CAP:
+        slots = tl.arange(0, CAP)
+        cand = tl.load(scratch + slots, mask=slots < count, other=_PAD_KEY)
+        top = tl.topk(cand, KC)
+    else:  # many equal values: select over the whole chunk, tile by tile
+        top = tl.full([KC], _PAD_KEY, tl.int64)
+        for t2 in range(0, chunk, TILE):
+            offs2 = start + t2 + tl.arange(0, TILE)
+            mask2 = offs2 < vocab
+            x2 = tl.load(base + offs2, mask=mask2, other=float("-inf")).to(tl.float32)
+            tile_top = tl.where(mask2, _encode(x2, offs2), _PAD_KEY)
+            if TILE > KC:
+                tile_top = tl.topk(tile_top, KC)
+            top = tl.topk(tl.reshape(tl.join(top, tile_top), [2 * KC]), KC)
     out = (row.to(tl.int64) * n_chunks + ch) * KC
     tl.store(keys_ptr + out + tl.arange(0, KC), top)
     tl.store(max_ptr + row * n_chunks + ch, m)
@@ -142,13 +176,16 @@ def topk_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
     n_chunks = triton.cdiv(vocab, chunk)
     dev = x.device
     keys = torch.empty((rows, n_chunks, kc), dtype=torch.int64, device=dev)
+    cap = 4 * kc
+    scratch = torch.empty((rows, n_chunks, cap), dtype=torch.int64, device=dev)
     cmax = torch.empty((rows, n_chunks), dtype=torch.float32, device=dev)
     csum = torch.empty((rows, n_chunks), dtype=torch.float32, device=dev)
     lp = torch.empty((rows, k), dtype=torch.float32, device=dev)
     ids = torch.empty((rows, k), dtype=torch.int64, device=dev)
     if rows:
         _chunk_kernel[(rows, n_chunks)](
-            x, x.stride(0), vocab, chunk, n_chunks, keys, cmax, csum, KC=kc, TILE=tile, num_warps=8
+            x, x.stride(0), vocab, chunk, n_chunks, keys, cmax, csum, scratch,
+            KC=kc, TILE=tile, CAP=cap, num_warps=8,
         )
         _merge_kernel[(rows,)](
             keys, cmax, csum, n_chunks, k, lp, ids, KC=kc, NCP=max(_pow2(n_chunks), 2), num_warps=8
