@@ -9,6 +9,14 @@ materialisation and the CUDA graphs):
   check, and the live handshake (``/server_info``, ``sglang:ddtree_*``);
 * the drafter runs its own block (``speculative_dflash_block_size``) while the target verifies
   budget + 1 tree nodes.
+
+Decode in this release: the chain case only. A DDTREE tree with top-k cap 1 and budget
+L = block - 1 is exactly DFlash's argmax chain (ddtree-algorithm.md section 7, case 4), which
+``DFlashWorkerV2`` decodes with SGLang's own tested code. Wider trees need a decode loop that
+feeds ``tree_step`` (tree build, tree-masked verify, walk, KV window permutation, hidden gather
+by node index) into SGLang's KV pool; that loop has not been written or run on a GPU yet, so
+such configurations are refused at worker start with a message saying so
+(``check_decode_support``).
 """
 
 from __future__ import annotations
@@ -93,6 +101,25 @@ def guard_target_forward(
     return guarded
 
 
+class TreeDecodeNotAvailable(DDTreeConfigError):
+    """The configuration needs the tree decode loop, which this release does not have."""
+
+
+def check_decode_support(settings: dict[str, Any]) -> None:
+    budget, block, cap = settings["budget"], settings["block_size"], settings["topk_cap"]
+    if cap == 1 and budget == block - 1:
+        return
+    raise TreeDecodeNotAvailable(
+        f"DDTREE with budget {budget} and top-k cap {cap} verifies a tree, and this release of "
+        "ddtree-runtime has no GPU decode loop for trees yet (tree build, masked verify, walk and "
+        "KV commit are implemented and tested on CPU in ddtree_runtime.sglang_plugin.tree_step, "
+        "but not wired into SGLang's KV pool). What starts today: "
+        f"--speculative-ddtree-topk-cap 1 --speculative-ddtree-budget {block - 1} (the chain "
+        "special case, decoded exactly like DFLASH, with DDTREE's guards and handshake), or "
+        "--speculative-algorithm DFLASH."
+    )
+
+
 class DDTreeWorker(DFlashWorkerV2):
     """DFlash drafter + DDTREE tree verify (see module docstring)."""
 
@@ -108,6 +135,7 @@ class DDTreeWorker(DFlashWorkerV2):
 
         cfg = resolving_view(server_args)
         contract = startup_contract(str(cfg.model_path), str(cfg.speculative_draft_model_path))
+        check_decode_support(settings)
         self._ddtree_contract = contract
         base = static_handshake({**settings, "contract": contract.to_dict() if contract else None})
         self._ddtree_handshake = HandshakeState(base)

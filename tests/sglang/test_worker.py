@@ -131,3 +131,23 @@ def test_guard_ignores_forwards_that_feed_no_drafter(sglang_plugins, pair):
     forward(SimpleNamespace(extend_lens=[3]), capture_hidden_mode=CaptureHiddenMode.NULL)
     forward(SimpleNamespace(extend_lens=[]), capture_hidden_mode=_full_mode())  # idle rank
     assert target.calls == 2 and state.to_dict()["status"] == "pending"
+
+
+def test_tree_configurations_are_refused_at_worker_start_with_the_reason(sglang_plugins, pair):
+    from ddtree_runtime.sglang_plugin.worker import DDTreeWorker, TreeDecodeNotAvailable
+
+    record, _ = resolve(ddtree_argv(*pair, "--speculative-ddtree-budget", "24"))
+    with pytest.raises(TreeDecodeNotAvailable) as exc:
+        DDTreeWorker(record, gpu_id=0, nccl_port=0, target_worker=SimpleNamespace())
+    text = str(exc.value)
+    assert "no GPU decode loop for trees yet" in text
+    assert "--speculative-ddtree-topk-cap 1 --speculative-ddtree-budget 15" in text
+
+
+def test_chain_configuration_passes_the_decode_check(sglang_plugins, pair):
+    from ddtree_runtime.sglang_plugin.worker import check_decode_support
+
+    record, _ = resolve(
+        ddtree_argv(*pair, "--speculative-ddtree-topk-cap", "1", "--speculative-ddtree-budget", "15")
+    )
+    check_decode_support(record._ddtree_resolved)  # does not raise
