@@ -13,12 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,15 +143,31 @@ def _progress(msg: str) -> None:
     print(f"probe: {msg}", file=sys.stderr, flush=True)
 
 
-def wait_ready(base: str, timeout: float, report: Report, *, poll_s: float = 2.0) -> bool:
-    """Poll /health_generate until 200 (SGLang answers 503 until warm-up is done)."""
+def unit_gave_up(unit: str) -> bool:
+    """True once systemd stopped restarting the unit (ActiveState=failed: start limit hit)."""
+    name = unit if unit.endswith(".service") else f"{unit}.service"
+    try:
+        out = subprocess.run(["systemctl", "show", name, "-p", "ActiveState"], capture_output=True,
+                             text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.strip() == "ActiveState=failed"
+
+
+def wait_ready(base: str, timeout: float, report: Report, *, poll_s: float = 2.0,
+               unit: str | None = None) -> bool:
+    """Poll /health_generate until 200 (SGLang answers 503 until warm-up is done).
+
+    With `unit`, stop early once systemd has given up on it: waiting longer cannot help.
+    """
     start = time.monotonic()
-    deadline, last_note, last_state, reached = start + timeout, start, "no answer yet", False
+    deadline, last_note, last_state = start + timeout, start, "no answer yet"
+    reached = refused_after_reached = False
     while True:
         remaining = deadline - time.monotonic()
         try:
             status, _ = _http(f"{base}/health_generate", timeout=max(1.0, min(30.0, remaining)))
-            reached = True
+            reached, refused_after_reached = True, False
             if status == 200:
                 report.figures["ready_seconds"] = round(time.monotonic() - start, 3)
                 report.check("ready", True, f"/health_generate 200 after {report.figures['ready_seconds']} s")
@@ -157,13 +175,19 @@ def wait_ready(base: str, timeout: float, report: Report, *, poll_s: float = 2.0
             last_state = f"HTTP {status}"
         except (urllib.error.URLError, OSError) as exc:
             last_state = f"{getattr(exc, 'reason', exc)}"
+            refused_after_reached = reached
         now = time.monotonic()
-        if now >= deadline:
+        gave_up = unit is not None and unit_gave_up(unit)
+        if now >= deadline or gave_up:
             cause = "not_ready" if reached else "unreachable"
-            detail = f"{base}/health_generate: {last_state} after {timeout:g} s"
+            detail = f"{base}/health_generate: {last_state} after {now - start:.0f} s"
+            if gave_up:
+                detail += f"; systemd gave up on {unit} (failed)"
+            elif refused_after_reached:
+                detail += " (it answered before: the server died during start-up?)"
             report.checks.append(Check("ready", False, detail))
             report.fail(EXIT_NOT_READY, cause, f"server {'not ready' if reached else 'not reachable'}: "
-                        f"{detail}; check the unit: ddtree diagnose --unit UNIT")
+                        f"{detail}; name the cause: ddtree diagnose --unit {unit or 'UNIT'}")
             return False
         if now - last_note >= 10:
             _progress(f"waiting for {base} to be ready: {last_state} ({now - start:.0f} of {timeout:g} s)")
@@ -250,14 +274,14 @@ def _check_handshake(report: Report, hs: Any) -> None:
 
 def live_probe(url: str, *, timeout: float = 600, min_accept_length: float | None = None,
                prompts: list[str] | None = None, max_new_tokens: int = 32, request_timeout: float = 120,
-               expect: dict[str, str] | None = None, poll_s: float = 2.0) -> Report:
+               expect: dict[str, str] | None = None, poll_s: float = 2.0, unit: str | None = None) -> Report:
     report = Report("live")
     base = url.rstrip("/")
     parts = urllib.parse.urlsplit(base)
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise _ProbeInputError(f"--url {url!r} is not an http(s) URL; pass e.g. http://127.0.0.1:30000")
     report.figures["url"] = base
-    if not wait_ready(base, timeout, report, poll_s=poll_s):
+    if not wait_ready(base, timeout, report, poll_s=poll_s, unit=unit):
         return report
     metas = _generate(base, list(prompts or DEFAULT_PROMPTS), max_new_tokens, request_timeout, report)
     if not report.ok:
@@ -351,7 +375,7 @@ def _parse_expect(items: list[str]) -> dict[str, str]:
     return out
 
 
-def _timed(report_fn, *args, **kwargs) -> Report:
+def _timed(report_fn: Callable[..., Report], *args: Any, **kwargs: Any) -> Report:
     started = time.monotonic()
     report = report_fn(*args, **kwargs)
     report.figures["probe_seconds"] = round(time.monotonic() - started, 3)
@@ -366,7 +390,8 @@ def _run_live(args: argparse.Namespace) -> int:
     try:
         report = _timed(live_probe, args.url, timeout=args.timeout, min_accept_length=args.min_accept_length,
                             prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                            request_timeout=args.request_timeout, expect=_parse_expect(args.expect))
+                            request_timeout=args.request_timeout, expect=_parse_expect(args.expect),
+                            unit=args.unit)
     except _ProbeInputError as exc:
         report = Report("live")
         report.fail(EXIT_BAD_INPUT, "bad_input", str(exc))
@@ -401,5 +426,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     live.add_argument("--request-timeout", type=float, default=120, help="seconds per HTTP request")
     live.add_argument("--expect", action="append", default=[], metavar="KEY=VALUE",
                       help="a /server_info field that must have this value (repeatable)")
-    live.add_argument("--unit", help="on failure, name the cause from this systemd unit's journal")
+    live.add_argument("--unit", help="stop waiting once systemd gives up on this unit; on failure, "
+                      "name the cause from its journal")
     live.set_defaults(func=_run_live)

@@ -1,0 +1,135 @@
+"""Live and static probes against the real lab engine (`ddtree lab serve`, SGLang's HTTP surface).
+
+The lab faults reproduce the field failures; each must end in the probe's documented exit code
+and a named cause (from the report, or from the server's log through diagnose.scan).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ddtree_runtime import diagnose
+from ddtree_runtime.probe import EXIT_FAILED, EXIT_NOT_READY, EXIT_PASS, live_probe, static_probe
+from tests.unit._lab import LabServerProcess, lab_models
+
+
+@pytest.fixture(scope="module")
+def models() -> Path:
+    return lab_models()
+
+
+def _serve_args(models: Path, *extra: str, draft: str = "draft") -> list[str]:
+    return ["--model-path", str(models / "target"), "--speculative-algorithm", "DDTREE",
+            "--speculative-draft-model-path", str(models / draft), "--speculative-ddtree-budget", "16",
+            "--device", "cpu", "--enable-metrics", *extra]
+
+
+@pytest.fixture(scope="module")
+def ddtree_server(models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServerProcess]:
+    srv = LabServerProcess(_serve_args(models), tmp=tmp_path_factory.mktemp("serve"))
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _probe_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ddtree_runtime", "probe", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_healthy_ddtree_server_passes(ddtree_server: LabServerProcess, tmp_path: Path):
+    out = tmp_path / "probe" / "sglang-qwen.json"
+    res = _probe_cli("live", "--url", ddtree_server.url, "--timeout", "120", "--min-accept-length", "1.5",
+                     "--expect", "speculative_ddtree_budget=16", "--json", "--write-report", str(out))
+    assert res.returncode == EXIT_PASS, res.stdout + res.stderr
+    report = json.loads(out.read_text())
+    assert report["ok"] and [c["name"] for c in report["checks"]] == [
+        "ready", "generate", "flags", "handshake", "accept_length"]
+    hs = report["handshake"]
+    assert hs["status"] == "ok" and hs["expected_hidden_width"] == hs["observed_hidden_width"]
+    assert report["figures"]["accept_length"] > 1.5
+    assert all(a["text"].strip() for a in report["figures"]["answers"])
+
+
+def test_greedy_answers_repeat_exactly(ddtree_server: LabServerProcess):
+    first = live_probe(ddtree_server.url, timeout=120, poll_s=0.2)
+    second = live_probe(ddtree_server.url, timeout=120, poll_s=0.2)
+    assert first.ok and second.ok
+    ids = [[a["output_ids"] for a in r.figures["answers"]] for r in (first, second)]
+    assert ids[0] == ids[1]  # T=0: the canary compares these token for token
+
+
+def test_thresholds_and_expected_flags_fail_with_exit_1(ddtree_server: LabServerProcess):
+    res = _probe_cli("live", "--url", ddtree_server.url, "--min-accept-length", "40")
+    assert res.returncode == EXIT_FAILED and "FAIL [acceptance_low]" in res.stdout
+    report = live_probe(ddtree_server.url, timeout=60, expect={"speculative_ddtree_budget": "8"})
+    assert report.cause == "flags_mismatch" and "speculative_ddtree_budget=16" in report.message
+
+
+def test_server_without_speculation_fails_the_flags_check(models: Path, tmp_path: Path):
+    srv = LabServerProcess(["--model-path", str(models / "target"), "--device", "cpu"], tmp=tmp_path)
+    try:
+        report = live_probe(srv.url, timeout=120, poll_s=0.2)
+    finally:
+        srv.stop()
+    assert (report.exit_code, report.cause) == (EXIT_FAILED, "flags_mismatch")
+    assert "speculative_algorithm='NONE'" in report.message or "speculative_algorithm=None" in report.message
+
+
+@pytest.mark.parametrize(("fault", "cause"), [
+    ("capture_predicate", "hidden_width_mismatch"),
+    ("hidden_none", "hidden_states_missing"),
+])
+def test_hidden_state_faults_are_named(models: Path, tmp_path: Path, fault: str, cause: str):
+    srv = LabServerProcess(_serve_args(models), env={"DDTREE_LAB_FAULT": fault}, tmp=tmp_path)
+    rc = srv.wait_exit(120)  # warm-up runs a real generation: the fault strikes during start-up
+    assert rc == -9  # SGLang's way: the server SIGKILLs itself
+    report = live_probe(srv.url, timeout=1, poll_s=0.2)
+    assert (report.exit_code, report.ok) == (EXIT_NOT_READY, False)
+    findings = diagnose.scan(srv.log)
+    assert findings and findings[0].cause == cause
+
+
+def test_slow_start_is_not_ready_in_time(models: Path, tmp_path: Path):
+    env = {"DDTREE_LAB_FAULT": "slow_start", "DDTREE_LAB_START_DELAY_S": "30"}
+    srv = LabServerProcess(_serve_args(models), env=env, tmp=tmp_path)
+    try:
+        report = live_probe(srv.url, timeout=2, poll_s=0.2)
+    finally:
+        srv.stop()
+    assert report.exit_code == EXIT_NOT_READY and report.cause in ("not_ready", "unreachable")
+
+
+def test_memory_fraction_too_small_never_listens(models: Path, tmp_path: Path):
+    srv = LabServerProcess(_serve_args(models, "--mem-fraction-static", "0.01", "--context-length", "4096"),
+                           tmp=tmp_path)
+    rc = srv.wait_exit(60)
+    report = live_probe(srv.url, timeout=1, poll_s=0.2)
+    assert rc != 0 and (report.exit_code, report.cause) == (EXIT_NOT_READY, "unreachable")
+    assert [f.cause for f in diagnose.scan(srv.log)][:1] == ["mem_fraction_too_small"]
+
+
+def test_static_probe_on_the_lab_models(models: Path):
+    good = static_probe(str(models / "target"), str(models / "draft"))
+    assert good.ok and good.handshake["expected_hidden_width"] == good.handshake["draft_fc_in_features"]
+    bad = static_probe(str(models / "target"), str(models / "draft-mismatched"))
+    assert (bad.exit_code, bad.cause) == (EXIT_FAILED, "hidden_width_mismatch")
+
+
+def test_probe_stops_waiting_once_systemd_gave_up(models: Path, tmp_path: Path, monkeypatch):
+    # systemctl's answer for a unit past its start limit; the lab host tests see the real one.
+    fake = tmp_path / "systemctl"
+    fake.write_text("#!/bin/sh\necho ActiveState=failed\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    report = live_probe("http://127.0.0.1:9", timeout=300, poll_s=0.1, unit="sglang-qwen")
+    assert report.exit_code == EXIT_NOT_READY and "systemd gave up on sglang-qwen" in report.message
+    assert report.checks[-1].detail.endswith("(failed)")
