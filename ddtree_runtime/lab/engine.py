@@ -309,7 +309,8 @@ class LabEngine:
             self.stats.hidden_missing = hidden is None
             if hidden is not None and hidden.dim() == 2:
                 self.stats.observed_hidden_width = int(hidden.shape[-1])
-            raise HiddenStateError(f"{self._sglang_wording(hidden, phase, exc)} [{exc}]", exc.cause) from exc
+            message = f"{self._sglang_wording(hidden, phase, exc)} [ddtree contract, {exc.cause}: {exc}]"
+            raise HiddenStateError(message, exc.cause) from exc
         self.stats.observed_hidden_width = int(hidden.shape[-1])
 
     def _sglang_wording(self, hidden: Tensor | None, phase: str, exc: ContractError) -> str:
@@ -431,7 +432,8 @@ def _load_contract(target_dir, draft_dir) -> HiddenContract:
             raise
         c = load_contract(target_dir, draft_dir, check=False)
         shape = ("N", c.capture_width)
-        raise HiddenStateError(f"{_dim_mismatch(c, shape)} [{exc}]", exc.cause) from exc
+        message = f"{_dim_mismatch(c, shape)} [ddtree contract, {exc.cause}: {exc}]"
+        raise HiddenStateError(message, exc.cause) from exc
 
 
 def timed_generate(engine: LabEngine, prompts, params) -> tuple[list[GenerationResult], float]:

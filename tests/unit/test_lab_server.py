@@ -1,0 +1,336 @@
+"""`ddtree lab serve`: SGLang's flags, endpoints, response shapes, metrics, logs, batching, SIGTERM drain,
+and the faults dying the way SGLang dies."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ddtree_runtime import diagnose
+from ddtree_runtime.cli import build_parser
+from ddtree_runtime.lab.engine import LabEngine, SamplingParams
+from ddtree_runtime.lab.language import LAB_PROMPTS
+from ddtree_runtime.lab.server_args import memory_plan
+from ddtree_runtime.lab.tokenizer import LabTokenizer
+from tests.unit._lab import LabServerProcess, http, lab_models, one_thread
+
+
+@pytest.fixture(scope="module")
+def models() -> Path:
+    with one_thread():
+        return lab_models()
+
+
+def _args(models: Path, *extra: str, algo: str = "DDTREE", draft: str = "draft") -> list[str]:
+    return [
+        "--model-path", str(models / "target"),
+        "--speculative-algorithm", algo,
+        "--speculative-draft-model-path", str(models / draft),
+        "--device", "cpu",
+        *extra,
+    ]  # fmt: skip
+
+
+# The balanced profile's flags, as the unit template renders them.
+PROFILE = [
+    "--mem-fraction-static", "0.85", "--context-length", "32768", "--cuda-graph-max-bs-decode", "32",
+    "--max-running-requests", "32", "--mamba-radix-cache-strategy", "extra_buffer",
+    "--mamba-ssm-dtype", "float32", "--max-mamba-cache-size", "64", "--speculative-ddtree-budget", "16",
+    "--enable-metrics", "--host", "127.0.0.1",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(models: Path, tmp_path_factory) -> Iterator[LabServerProcess]:
+    srv = LabServerProcess(_args(models, *PROFILE), tmp=tmp_path_factory.mktemp("serve"))
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(models: Path) -> dict[str, list[int]]:
+    """AR greedy of the lab prompts, in process: the server's DDTree answers must equal these."""
+    with one_thread():
+        engine = LabEngine(models / "target")
+        out = engine.generate(
+            [engine.tokenizer.encode(p) for p in LAB_PROMPTS], [SamplingParams(max_new_tokens=24)] * 6
+        )
+    return {p: r.output_ids for p, r in zip(LAB_PROMPTS, out, strict=True)}
+
+
+def _json(resp: tuple[int, bytes]) -> tuple[int, object]:
+    return resp[0], json.loads(resp[1]) if resp[1] else None
+
+
+def test_health_and_info(server: LabServerProcess) -> None:
+    assert http(server.url + "/health")[0] == 200
+    assert http(server.url + "/health_generate")[0] == 200
+    status, info = _json(http(server.url + "/server_info"))
+    assert status == 200 and info == _json(http(server.url + "/get_server_info"))[1] | {
+        "internal_states": info["internal_states"],
+        "ddtree_handshake": info["ddtree_handshake"],
+    }
+    assert info["speculative_algorithm"] == "DDTREE" and info["speculative_ddtree_budget"] == 16
+    assert info["speculative_num_draft_tokens"] == 17 and info["mem_fraction_static"] == 0.85
+    assert info["context_length"] == 32768 and info["max_running_requests"] == 32
+    assert info["version"] == "0.5.23"
+    hs = info["ddtree_handshake"]
+    assert hs["status"] == "ok"  # the warm-up ran a real target forward
+    assert hs["expected_hidden_width"] == hs["draft_fc_in_features"] == hs["observed_hidden_width"] == 128
+    assert hs["target_layer_ids"] == [1, 2] and hs["block_size"] == 16 and hs["budget"] == 16
+    status, model = _json(http(server.url + "/model_info"))
+    assert status == 200 and model["model_type"] == "qwen3" and model["is_generation"] is True
+    status, models = _json(http(server.url + "/v1/models"))
+    assert models["data"][0]["root"].endswith("target") and models["data"][0]["max_model_len"] == 32768
+
+
+def test_generate_is_sglang_shaped_and_equals_ar_greedy(server: LabServerProcess, expected) -> None:
+    prompt = LAB_PROMPTS[0]
+    status, out = _json(
+        http(
+            server.url + "/generate",
+            {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 24}},
+        )
+    )
+    assert status == 200
+    assert out["output_ids"] == expected[prompt] and out["text"].strip()
+    meta = out["meta_info"]
+    assert meta["completion_tokens"] == 24 and meta["finish_reason"] == {"type": "length", "length": 24}
+    assert meta["prompt_tokens"] == len(LabTokenizer().encode(prompt))
+    assert 1 <= meta["spec_verify_ct"] < 24
+    assert meta["spec_accept_length"] == pytest.approx(24 / meta["spec_verify_ct"])
+    status, batch = _json(
+        http(
+            server.url + "/generate",
+            {"text": list(LAB_PROMPTS[:2]), "sampling_params": {"max_new_tokens": 24}},
+        )
+    )
+    assert status == 200 and [b["output_ids"] for b in batch] == [expected[p] for p in LAB_PROMPTS[:2]]
+    status, by_ids = _json(http(server.url + "/generate", {"input_ids": [5, 6, 7], "sampling_params": {}}))
+    assert status == 200 and len(by_ids["output_ids"]) == 128  # SGLang's default max_new_tokens
+
+
+def test_concurrent_requests_are_batched_and_answered_correctly(server: LabServerProcess, expected) -> None:
+    results: dict[str, list[int]] = {}
+
+    def ask(prompt: str) -> None:
+        body = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 24}}
+        status, out = _json(http(server.url + "/generate", body))
+        assert status == 200
+        results[prompt] = out["output_ids"]
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in LAB_PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == expected
+    batched = [line for line in server.log.splitlines() if "Prefill batch, #new-seq:" in line]
+    assert any(int(line.split("#new-seq: ")[1].split(",")[0]) > 1 for line in batched)
+
+
+def test_chat_completions_is_openai_shaped(server: LabServerProcess) -> None:
+    body = {
+        "model": "x",
+        "messages": [{"role": "user", "content": "the cat"}],
+        "max_tokens": 12,
+        "temperature": 0,
+    }
+    status, out = _json(http(server.url + "/v1/chat/completions", body))
+    assert status == 200 and out["object"] == "chat.completion"
+    choice = out["choices"][0]
+    assert choice["message"]["role"] == "assistant" and choice["message"]["content"]
+    assert choice["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 12
+    assert out["usage"]["total_tokens"] == out["usage"]["prompt_tokens"] + 12
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "fragment"),
+    [
+        ("/generate", b"{not json", "Invalid JSON body"),
+        ("/generate", {"sampling_params": {}}, "Either text, input_ids or input_embeds should be provided"),
+        ("/generate", {"text": "a", "sampling_params": {"temperature": -1}}, "temperature"),
+        ("/generate", {"text": "a", "sampling_params": {"max_new_tokenz": 3}}, "Unknown sampling parameter"),
+        ("/generate", {"input_ids": [1, 99999]}, "outside the vocabulary"),
+        ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 40000}}, "maximum context length"),
+        ("/generate", {"text": "a", "return_logprob": True}, "return_logprob"),
+        ("/v1/chat/completions", {"messages": []}, "messages must be a non-empty list"),
+    ],
+)
+def test_bad_bodies_get_sglang_like_400s(server: LabServerProcess, path, body, fragment) -> None:
+    status, out = _json(http(server.url + path, body))
+    assert status == 400
+    message = out["message"] if path.startswith("/v1/") else out["error"]["message"]
+    assert fragment in message
+
+
+def test_metrics_use_sglang_names(server: LabServerProcess) -> None:
+    http(server.url + "/generate", {"text": "the cat", "sampling_params": {"max_new_tokens": 16}})
+    status, body = http(server.url + "/metrics")
+    assert status == 200
+    values = {}
+    for line in body.decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name.split("{")[0]] = float(value)
+    assert 1.0 < values["sglang:spec_accept_length"] <= 16
+    assert 0 < values["sglang:spec_accept_rate"] < 1
+    assert values["sglang:spec_verify_calls_total"] >= 1
+    assert values["sglang:generation_tokens_total"] >= 16 and values["sglang:prompt_tokens_total"] > 0
+    assert (
+        values["sglang:ddtree_expected_hidden_width"] == values["sglang:ddtree_observed_hidden_width"] == 128
+    )
+    assert values["sglang:ddtree_budget"] == 16 and "sglang:num_running_reqs" in values
+
+
+def test_logs_read_like_sglang(server: LabServerProcess) -> None:
+    log = server.log
+    assert "server_args=ServerArgs(" in log
+    assert log.index("Load weight end") < log.index("The server is fired up and ready to roll!")
+    assert "KV Cache is allocated. #tokens:" in log
+    assert "accept len: " in log and "Decode batch, #running-req:" in log
+
+
+# ---------------------------------------------------------------------------- faults
+
+DIM_MISMATCH = "DFLASH target_hidden feature dim mismatch"
+
+
+@pytest.fixture(scope="module")
+def dying(models: Path, tmp_path_factory) -> dict[str, LabServerProcess]:
+    """Start every failing server at once (they are independent), then wait for each to die."""
+    tmp = tmp_path_factory.mktemp("faults")
+    servers = {
+        "capture_predicate": LabServerProcess(
+            _args(models), env={"DDTREE_LAB_FAULT": "capture_predicate"}, tmp=tmp
+        ),
+        "hidden_none": LabServerProcess(_args(models), env={"DDTREE_LAB_FAULT": "hidden_none"}, tmp=tmp),
+        "memory": LabServerProcess(
+            _args(models, "--mem-fraction-static", "0.02", "--context-length", "8192"), tmp=tmp
+        ),
+        "mismatched": LabServerProcess(_args(models, draft="draft-mismatched"), tmp=tmp),
+        "crash_after_start": LabServerProcess(
+            _args(models),
+            env={"DDTREE_LAB_FAULT": "crash_after_start", "DDTREE_LAB_CRASH_AFTER_S": "1"},
+            tmp=tmp,
+        ),
+    }
+    for srv in servers.values():
+        srv.wait_exit(90)
+    return servers
+
+
+@pytest.mark.parametrize(
+    ("name", "cause", "texts"),
+    [
+        ("capture_predicate", "hidden_width_mismatch",
+         [DIM_MISMATCH, "Expected shape [N, 128]", "drafter expects [N, 128]"]),
+        ("hidden_none", "hidden_states_missing",
+         ["DFLASH requires target aux hidden capture for prefill, but got None"]),
+        ("memory", "mem_fraction_too_small",
+         ["Not enough memory. Please try to increase --mem-fraction-static. "
+          "Current value: mem_fraction_static=0.02"]),
+        ("mismatched", "hidden_width_mismatch", [DIM_MISMATCH, "fc_width_mismatch"]),
+        ("crash_after_start", None, ["The server is fired up and ready to roll!", "crash_after_start"]),
+    ],
+)  # fmt: skip
+def test_faults_die_the_sglang_way(dying, name: str, cause: str | None, texts: list[str]) -> None:
+    srv = dying[name]
+    assert srv.proc.returncode == -signal.SIGKILL, srv.log  # a shell reports 137, systemd code=killed
+    log = srv.log
+    assert "Scheduler hit an exception:" in log and "Received sigquit from a child process" in log
+    for text in texts:
+        assert text in log
+    if name != "crash_after_start":
+        assert "The server is fired up and ready to roll!" not in log  # failed in the warm-up / start-up
+    if cause:
+        assert cause in [f.cause for f in diagnose.scan(log)]
+
+
+def test_slow_start_answers_503_until_ready_and_sigterm_drains(models: Path, tmp_path: Path) -> None:
+    srv = LabServerProcess(
+        _args(models), env={"DDTREE_LAB_FAULT": "slow_start", "DDTREE_LAB_START_DELAY_S": "2"}, tmp=tmp_path
+    )
+    try:
+        deadline = time.monotonic() + 30
+        codes = []
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):  # not listening yet
+                codes.append(http(srv.url + "/health_generate", timeout=5)[0])
+            if codes and codes[-1] == 200:
+                break
+            time.sleep(0.1)
+        assert 503 in codes and codes[-1] == 200
+        assert http(srv.url + "/generate", {"text": "a", "sampling_params": {"max_new_tokens": 8}})[0] == 200
+        _sigterm_drains(srv)
+    finally:
+        srv.stop()
+
+
+def _sigterm_drains(srv: LabServerProcess) -> None:
+    """SIGTERM while a request runs: it is answered in full, then the server exits 0."""
+    got: dict = {}
+    body = {"text": "the cat", "sampling_params": {"max_new_tokens": 150}}
+    t = threading.Thread(target=lambda: got.update(resp=_json(http(srv.url + "/generate", body))))
+    before = srv.log.count("Prefill batch")
+    t.start()
+    deadline = time.monotonic() + 30
+    while srv.log.count("Prefill batch") == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    srv.proc.send_signal(signal.SIGTERM)
+    t.join(60)
+    assert srv.wait_exit(30) == 0, srv.log
+    status, out = got["resp"]
+    assert status == 200 and out["meta_info"]["completion_tokens"] == 150
+    assert "Received SIGTERM" in srv.log
+
+
+# ---------------------------------------------------------------------------- flags
+
+
+def _parse_exit(argv: list[str], capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as err:
+        build_parser().parse_args(["lab", "serve", *argv])
+    return int(err.value.code), capsys.readouterr().err
+
+
+def test_unknown_and_removed_flags_are_argparse_errors(capsys) -> None:
+    code, err = _parse_exit(["--model-path", "m", "--no-such-flag"], capsys)
+    assert code == 2 and "unrecognized arguments: --no-such-flag" in err
+    code, err = _parse_exit(["--model-path", "m", "--cuda-graph-max-bs", "8"], capsys)
+    assert code == 2 and "ambiguous option: --cuda-graph-max-bs could match" in err
+    code, err = _parse_exit(["--model-path", "m", "--mamba-scheduler-strategy", "extra_buffer"], capsys)
+    assert code == 2 and "unrecognized arguments" in err
+    args = build_parser().parse_args(["lab", "serve", "--model-path", "m", *PROFILE, "--disable-cuda-graph"])
+    assert args.mem_fraction_static == 0.85 and args.disable_cuda_graph
+
+
+def test_unknown_algorithm_fails_like_sglang(models: Path, tmp_path: Path) -> None:
+    srv = LabServerProcess(_args(models, algo="EAGLE9"), tmp=tmp_path)
+    assert srv.wait_exit(60) == 1
+    assert "Unknown speculative algorithm name: EAGLE9" in srv.log
+
+
+def test_memory_model_passes_real_profiles_and_fails_tiny_fractions(models: Path) -> None:
+    cfg = json.loads((models / "target" / "config.json").read_text())
+    plan = dict(target_config=cfg, draft_layers=2, weight_bytes=600_000, env={})
+    for frac, ctx in ((0.85, 32768), (0.40, 16384), (0.25, 8192), (0.3, 32768)):
+        assert memory_plan(mem_fraction_static=frac, context_length=ctx, **plan).max_total_num_tokens >= ctx
+    with pytest.raises(RuntimeError, match=r"mem_fraction_static=0\.02"):
+        memory_plan(mem_fraction_static=0.02, context_length=8192, **plan)
+    with pytest.raises(RuntimeError, match="Not enough memory"):
+        memory_plan(
+            mem_fraction_static=0.85,
+            context_length=32768,
+            **{**plan, "env": {"DDTREE_LAB_DEVICE_MEMORY_MB": "8"}},
+        )
