@@ -310,13 +310,13 @@ def judge(live: Side, shadow: Side, tokens: dict[str, Any], th: Thresholds) -> t
     elif la is None:
         checks.append(Check("accept_length", True, f"shadow {sa:.3f}; live reports none (not speculative)"))
     else:
-        checks.append(Check("accept_length", accept_ratio >= th.min_accept_ratio,
+        checks.append(Check("accept_length", round(accept_ratio, 9) >= th.min_accept_ratio,
                             f"shadow {sa:.3f} vs live {la:.3f} tokens per verify step: ratio "
                             f"{accept_ratio:.3f}, minimum {th.min_accept_ratio:g}"))
     lm, sm = live.latency_median_s, shadow.latency_median_s
     latency_ratio = sm / lm if lm and sm is not None else None
     limit = lm * th.max_latency_ratio + th.latency_slack_s if lm is not None else None
-    checks.append(Check("latency", sm is not None and limit is not None and sm <= limit,
+    checks.append(Check("latency", sm is not None and limit is not None and round(sm - limit, 9) <= 0,
                         f"median shadow {_s(_round(sm))} s vs live {_s(_round(lm))} s: allowed "
                         f"{_s(_round(limit))} s ({th.max_latency_ratio:g} x live "
                         f"+ {th.latency_slack_s:g} s)"))

@@ -1,0 +1,282 @@
+"""`ddtree canary compare` against real lab-engine servers on loopback (`ddtree lab serve`).
+
+Four servers on the lab models: live (DDTree budget 16), a shadow as the shadow profiles run it
+(budget 8), a shadow on a changed target (other T=0 tokens), and a plain server without speculative
+decoding and a short context. The thresholds' arithmetic is checked on hand-made figures too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ddtree_runtime import canary
+from ddtree_runtime.canary import Answer, CanaryInputError, Side, SideUnavailable, Thresholds
+
+REPO = Path(__file__).resolve().parents[2]
+LAB = REPO / "ddtree_runtime" / "lab"
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+
+
+# ---------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="session")
+def lab_models() -> Path:
+    """`ddtree lab make-models` output, cached by the content of the code that makes the models."""
+    digest = hashlib.sha256()
+    for name in ("make.py", "models.py", "language.py", "tokenizer.py"):
+        digest.update((LAB / name).read_bytes())
+    cache = REPO / ".cache" / "lab-models" / digest.hexdigest()[:16]
+    if not (cache / "target" / "config.json").is_file():
+        tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        proc = subprocess.run([sys.executable, "-m", "ddtree_runtime", "lab", "make-models", str(tmp)],
+                              capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        shutil.rmtree(cache, ignore_errors=True)
+        tmp.rename(cache)
+    return cache
+
+
+def _changed_target(models: Path, out: Path) -> Path:
+    """The lab target with its output head perturbed: another model, other greedy tokens."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(models / "target", out)
+    tensors = load_file(out / "model.safetensors")
+    gen = torch.Generator().manual_seed(7)
+    for name, t in tensors.items():
+        if t.is_floating_point() and t.dim() == 2:
+            noise = 0.5 * t.float().std() * torch.randn(t.shape, generator=gen)
+            tensors[name] = (t.float() + noise).to(t.dtype)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health_generate", timeout=5) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def servers(lab_models: Path, tmp_path_factory) -> Iterator[dict[str, str]]:
+    changed = _changed_target(lab_models, tmp_path_factory.mktemp("changed") / "target")
+    draft = str(lab_models / "draft")
+    spec = {
+        "live": [str(lab_models / "target"), "DDTREE", "--speculative-ddtree-budget", "16"],
+        "shadow": [str(lab_models / "target"), "DDTREE", "--speculative-ddtree-budget", "8"],
+        "changed": [str(changed), "DDTREE", "--speculative-ddtree-budget", "16"],
+        "plain": [str(lab_models / "target"), "NONE", "--context-length", "48"],
+    }
+    procs, urls = [], {}
+    logs = tmp_path_factory.mktemp("logs")
+    try:
+        for name, (model, algo, *flags) in spec.items():
+            port = _free_port()
+            argv = [sys.executable, "-m", "ddtree_runtime", "lab", "serve", "--model-path", model,
+                    "--speculative-algorithm", algo, "--port", str(port), "--device", "cpu", *flags]
+            if algo != "NONE":
+                argv += ["--speculative-draft-model-path", draft]
+            log = open(logs / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
+            procs.append((subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT), log))
+            urls[name] = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        for name, url in urls.items():
+            while not _ready(url):
+                assert time.monotonic() < deadline, (logs / f"{name}.log").read_text()[-2000:]
+                assert all(p.poll() is None for p, _ in procs), (logs / f"{name}.log").read_text()[-2000:]
+                time.sleep(0.5)
+        yield urls
+    finally:
+        for proc, _log in procs:
+            proc.terminate()
+        for proc, log in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()
+
+
+def _compare(urls: dict[str, str], shadow: str, **kw) -> canary.CanaryReport:
+    kw.setdefault("prompts", PROMPTS)
+    kw.setdefault("rounds", 2)
+    kw.setdefault("max_new_tokens", 16)
+    # Both servers share two CPU cores with everything else: latency is checked on its own below.
+    kw.setdefault("thresholds", Thresholds(max_latency_ratio=100.0))
+    return canary.compare(urls["live"], urls[shadow], **kw)
+
+
+def _check(report: canary.CanaryReport, name: str) -> canary.Check:
+    (found,) = [c for c in report.checks if c.name == name]
+    return found
+
+
+# ---------------------------------------------------------------------------- real servers
+
+
+def test_same_model_with_a_smaller_budget_promotes_with_both_sides_figures(servers):
+    report = _compare(servers, "shadow", live_release="rel-a", shadow_release="rel-b")
+    assert report.ok and report.verdict == "promote" and report.exit_code == 0, report.reason
+    assert [c.name for c in report.checks] == ["tokens", "accept_length", "latency"]
+    assert report.tokens["equal"] and report.tokens["equal_prompts"] == len(PROMPTS)
+    for side, budget, release in (("live", 16, "rel-a"), ("shadow", 8, "rel-b")):
+        figures = getattr(report, side)
+        assert figures["requests"] == 2 * len(PROMPTS)
+        assert figures["budget"] == budget and figures["release"] == release
+        assert figures["accept_length"] > 1.0 and figures["latency_median_s"] > 0
+        assert figures["completion_tokens"] == 2 * len(PROMPTS) * 16
+    # DDTree with half the budget accepts fewer tokens per step, but not below the default ratio.
+    assert 0.8 <= report.ratios["accept"] < 1.0
+    assert report.ratios["accept"] == pytest.approx(
+        report.shadow["accept_length"] / report.live["accept_length"], abs=1e-3)
+    table = "\n".join(report.table())
+    assert "canary PROMOTE" in table and str(report.live["accept_length"]) in table
+    assert str(report.shadow["latency_median_s"]) in table
+
+
+def test_other_tokens_abort_naming_the_prompt_and_position(servers):
+    report = _compare(servers, "changed")
+    tokens = _check(report, "tokens")
+    assert not report.ok and report.verdict == "abort" and report.exit_code == 1
+    assert not tokens.ok and not report.tokens["equal"]
+    bad = [p for p in report.tokens["per_prompt"] if not p["equal"]]
+    assert bad and bad[0]["differs"] == "shadow"
+    first = bad[0]["first_difference"]
+    assert bad[0]["live_ids"][:first] == bad[0]["other_ids"][:first]
+    assert bad[0]["live_ids"][first] != bad[0]["other_ids"][first]
+    assert repr(bad[0]["prompt"]) in tokens.detail and "tokens:" in report.reason
+
+
+def test_token_differences_pass_when_allowed(servers):
+    report = _compare(servers, "changed",
+                      thresholds=Thresholds(require_equal_tokens=False, min_accept_ratio=0.01,
+                                            max_latency_ratio=100.0))
+    assert report.ok, report.reason
+    assert not report.tokens["equal"]  # still reported
+
+
+def test_acceptance_below_the_ratio_aborts(servers):
+    report = _compare(servers, "shadow", thresholds=Thresholds(min_accept_ratio=1.0, max_latency_ratio=100.0))
+    check = _check(report, "accept_length")
+    assert not report.ok and not check.ok
+    assert f"{report.shadow['accept_length']:.3f}" in check.detail and "minimum 1" in check.detail
+
+
+def test_shadow_without_speculative_decoding_aborts(servers):
+    report = _compare(servers, "plain", max_new_tokens=8)
+    check = _check(report, "accept_length")
+    assert not check.ok and "does not run speculative decoding" in check.detail
+    assert report.shadow["algorithm"] == "NONE" and report.shadow["accept_length"] is None
+    assert report.tokens["equal"]  # lossless: the same target gives the same greedy tokens
+
+
+def test_latency_above_the_ratio_aborts(servers):
+    report = _compare(servers, "shadow", thresholds=Thresholds(max_latency_ratio=0.01, latency_slack_s=0.0))
+    check = _check(report, "latency")
+    assert not report.ok and not check.ok
+    assert f"{report.shadow['latency_median_s']}" in check.detail
+
+
+def test_a_failing_request_aborts_with_the_servers_message(servers):
+    report = _compare(servers, "plain", max_new_tokens=64)  # beyond the plain server's 48-token context
+    assert not report.ok and report.checks[0].name == "generate"
+    assert "HTTP 400" in report.reason and "maximum context length" in report.reason
+
+
+def test_cli_json_report_file_and_exit_codes(servers, tmp_path):
+    out = tmp_path / "canary" / "last.json"
+    base = [sys.executable, "-m", "ddtree_runtime", "canary", "compare", "--live", servers["live"],
+            "--rounds", "1", "--max-new-tokens", "8", "--max-latency-ratio", "100", "--prompts", *PROMPTS]
+    ok = subprocess.run([*base, "--shadow", servers["shadow"], "--json", "--write-report", str(out)],
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    doc = json.loads(ok.stdout)
+    assert doc == json.loads(out.read_text())
+    assert doc["verdict"] == "promote" and doc["live"]["accept_length"] and doc["shadow"]["accept_length"]
+    assert doc["table"][0].startswith("canary PROMOTE")
+
+    bad = subprocess.run([*base, "--shadow", servers["changed"]], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and bad.stdout.startswith("canary ABORT: tokens:")
+    assert "live" in bad.stdout and "shadow" in bad.stdout and "accept length" in bad.stdout
+
+    gone = subprocess.run([*base, "--shadow", f"http://127.0.0.1:{_free_port()}", "--ready-timeout", "1",
+                           "--json"], capture_output=True, text=True, timeout=60)
+    assert gone.returncode == 3 and json.loads(gone.stdout)["reason"].startswith("not ready: shadow")
+
+    same = subprocess.run([*base, "--shadow", servers["live"] + "/"],
+                          capture_output=True, text=True, timeout=60)
+    assert same.returncode == 2 and "same server" in same.stdout
+
+
+# ---------------------------------------------------------------------------- thresholds, no servers
+
+
+def _side(name: str, latencies: list[float], tokens: int = 10, verify: int | None = 4) -> Side:
+    side = Side(name, f"http://{name}")
+    side.answers = [Answer("p", [1, 2], "x", tokens, verify, lat) for lat in latencies]
+    return side
+
+
+@pytest.mark.parametrize(("shadow_lat", "ok"), [(0.80, True), (0.81, False)])
+def test_latency_limit_is_ratio_times_live_plus_slack(shadow_lat, ok):
+    live, shadow = _side("live", [0.4, 0.5, 0.6]), _side("shadow", [shadow_lat] * 3)
+    tokens = canary.compare_tokens(live, shadow, 1)
+    th = Thresholds(max_latency_ratio=1.5, latency_slack_s=0.05)
+    checks, ratios = canary.judge(live, shadow, tokens, th)
+    assert {c.name: c.ok for c in checks}["latency"] is ok  # limit 0.5 * 1.5 + 0.05 = 0.80
+    assert ratios["latency"] == pytest.approx(shadow_lat / 0.5, abs=1e-3)
+
+
+@pytest.mark.parametrize(("shadow_verify", "ok"), [(5, True), (6, False)])
+def test_accept_ratio_uses_tokens_per_verify_step(shadow_verify, ok):
+    live = _side("live", [0.1], tokens=12, verify=4)  # 3.0
+    shadow = _side("shadow", [0.1], tokens=12, verify=shadow_verify)  # 2.4 / 2.0
+    checks, ratios = canary.judge(live, shadow, canary.compare_tokens(live, shadow, 1),
+                                  Thresholds(min_accept_ratio=0.8))
+    assert {c.name: c.ok for c in checks}["accept_length"] is ok
+    assert ratios["accept"] == pytest.approx(12 / shadow_verify / 3.0, abs=1e-3)
+
+
+def test_live_that_changes_its_own_answer_fails_the_token_check():
+    live, shadow = _side("live", [0.1, 0.1]), _side("shadow", [0.1, 0.1])
+    live.answers[1].output_ids = [1, 3]
+    tokens = canary.compare_tokens(live, shadow, 1)
+    assert not tokens["equal"] and tokens["per_prompt"][0]["differs"].startswith("live")
+    assert tokens["per_prompt"][0]["first_difference"] == 1
+
+
+@pytest.mark.parametrize("kw", [{"min_accept_ratio": 0}, {"max_latency_ratio": -1},
+                                {"latency_slack_s": -0.1}])
+def test_bad_thresholds_are_refused_with_the_flag_named(kw):
+    with pytest.raises(CanaryInputError, match="--"):
+        canary.compare("http://127.0.0.1:1", "http://127.0.0.1:2", thresholds=Thresholds(**kw))
+
+
+def test_bad_urls_and_unreachable_sides():
+    with pytest.raises(CanaryInputError, match="not an http"):
+        canary.compare("127.0.0.1:30000", "http://127.0.0.1:2")
+    with pytest.raises(SideUnavailable, match=r"^live http://127\.0\.0\.1"):
+        canary.compare(f"http://127.0.0.1:{_free_port()}", "http://127.0.0.1:2", ready_timeout=0.5)
