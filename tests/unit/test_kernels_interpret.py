@@ -1,0 +1,202 @@
+"""The Triton kernels on the CPU through Triton's interpreter (TRITON_INTERPRET=1), small shapes.
+
+Same contract as ``ddtree_runtime.tree``: every result is compared with the plain path (and the
+tree with the literal reference heap), including exact ties, budgets larger than the vocabulary,
+a top-K cap and masked (-inf) vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+# Must be set before the kernel modules are imported (triton.jit reads it at decoration time).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from ddtree_runtime import kernels, tree  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 before triton is imported"
+)
+
+
+def assert_same(a, b, what: str = "") -> None:
+    if dataclasses.is_dataclass(a):
+        assert type(a) is type(b), what
+        for f in dataclasses.fields(a):
+            assert_same(getattr(a, f.name), getattr(b, f.name), f"{what}.{f.name}")
+    elif isinstance(a, torch.Tensor):
+        assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype}, {b.shape}/{b.dtype}"
+        if a.is_floating_point():
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, equal_nan=True, msg=what)
+        else:
+            assert torch.equal(a, b), f"{what}:\n{a}\n!=\n{b}"
+    else:
+        assert a == b, what
+
+
+def stable_topk(logits, k):
+    """The intended order: log-prob descending, equal log-probs by ascending id, over the full vocab."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    order = torch.sort(lp, dim=-1, descending=True, stable=True)
+    return order.values[..., :k], order.indices[..., :k]
+
+
+# ---------------------------------------------------------------------------------------------
+# top-K + logsumexp
+
+
+@pytest.mark.parametrize(
+    ("shape", "k", "dtype", "kind"),
+    [
+        ((1, 2, 700), 20, torch.bfloat16, "randn"),
+        ((2, 1, 300), 16, torch.float32, "randn"),
+        ((1, 2, 1000), 40, torch.float32, "ties"),
+        ((1, 1, 50), 50, torch.float16, "randn"),  # k = V
+        ((1, 1, 600), 8, torch.float32, "constant"),  # every value equal: the exact fallback path
+        ((1, 1, 600), 3, torch.float32, "masked"),  # half the vocabulary at -inf
+    ],
+)
+def test_topk_log_probs_is_the_stable_order(shape, k, dtype, kind):
+    from ddtree_runtime.kernels.topk import topk_log_probs
+
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(shape, generator=gen) * 3
+    if kind == "ties":
+        x = torch.randint(0, 4, shape, generator=gen).float()
+    elif kind == "constant":
+        x = torch.zeros(shape)
+    elif kind == "masked":
+        x[..., ::2] = float("-inf")
+    x = x.to(dtype)
+    lp, ids = topk_log_probs(x, k)
+    want_lp, want_ids = stable_topk(x, k)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(lp, want_lp, rtol=0, atol=2e-6)
+    if kind != "constant":  # all-equal logits: torch.topk may pick any k ids
+        assert torch.equal(ids, tree.topk_log_probs(x, k)[1])
+
+
+def test_topk_rejects_k_out_of_range():
+    from ddtree_runtime.kernels.topk import topk_log_probs
+
+    with pytest.raises(ValueError, match="k must be in"):
+        topk_log_probs(torch.randn(1, 1, 10), 11)
+
+
+# ---------------------------------------------------------------------------------------------
+# tree build
+
+
+@pytest.mark.parametrize(
+    ("b", "horizon", "k", "budget"),
+    [(2, 4, 16, 16), (1, 15, 40, 40), (2, 3, 3, 60), (1, 2, 1, 4)],
+)
+def test_build_matches_reference_heap(b, horizon, k, budget):
+    from ddtree_runtime.kernels.build import build_from_topk
+
+    gen = torch.Generator().manual_seed(budget)
+    lp, ids = tree.topk_log_probs(torch.randn(b, horizon, 50, generator=gen), k)
+    tokens, depths, parents, scores, num = build_from_topk(lp, ids, budget)
+    for r in range(b):
+        want_tok, want_dep, want_par, want_sc = tree._reference_build_tree(
+            lp[r].tolist(), ids[r].tolist(), budget
+        )
+        n = len(want_tok)
+        assert tokens[r, :n].tolist() == want_tok
+        assert depths[r, :n].tolist() == want_dep
+        assert parents[r, : n + 1].tolist() == want_par
+        torch.testing.assert_close(scores[r, :n].double(), torch.tensor(want_sc, dtype=torch.float64))
+        assert int(num[r]) == n
+        # padding when fewer prefixes than the budget exist
+        assert (tokens[r, n:] == -1).all() and (parents[r, n + 1 :] == -1).all()
+        assert (depths[r, n:] == 0).all() and torch.isinf(scores[r, n:]).all()
+
+
+def test_build_exact_ties_follow_the_ranks_tuple():
+    from ddtree_runtime.kernels.build import build_from_topk
+
+    # Equal log-probs everywhere: every tie is decided by the ranks tuple (prefix first).
+    lp, ids = tree.topk_log_probs(torch.zeros(1, 4, 8), 8)
+    tokens, depths, parents, _, _ = build_from_topk(lp, ids, 30)
+    want_tok, want_dep, want_par, _ = tree._reference_build_tree(lp[0].tolist(), ids[0].tolist(), 30)
+    assert tokens[0].tolist() == want_tok
+    assert depths[0].tolist() == want_dep
+    assert parents[0].tolist() == want_par
+
+
+def test_build_rejects_horizon_beyond_the_kernel():
+    from ddtree_runtime.kernels.build import build_from_topk
+
+    lp, ids = tree.topk_log_probs(torch.randn(1, 16, 20), 4)
+    with pytest.raises(ValueError, match="L <= 15"):
+        build_from_topk(lp, ids, 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# the whole round against the plain path
+
+
+def _round(mod, draft, target, roots, prefix, budget, cap, page_size):
+    t = mod.build_tree(draft, budget, topk_cap=cap)
+    v = mod.compile_tree(t, roots, prefix)
+    w = mod.walk_greedy(t, target)
+    c = mod.commit_plan(w, prefix, page_size=page_size)
+    return t, v, w, c
+
+
+@pytest.mark.parametrize(
+    ("b", "horizon", "vocab", "budget", "cap", "page_size", "dtype"),
+    [
+        (2, 4, 300, 16, None, 1, torch.float32),
+        (3, 5, 40, 30, 4, 4, torch.bfloat16),
+        (1, 3, 6, 50, None, 2, torch.float32),  # budget > vocab, and fewer prefixes than the budget
+        (2, 3, 64, 12, None, 16, "ties"),
+    ],
+)
+def test_round_matches_plain_path(b, horizon, vocab, budget, cap, page_size, dtype):
+    gen = torch.Generator().manual_seed(vocab + budget)
+    if dtype == "ties":
+        draft = torch.randint(0, 3, (b, horizon, vocab), generator=gen).float()
+        draft[..., :20] += 4  # top-K strictly inside: no ties straddle the K-th place
+    else:
+        draft = torch.randn(b, horizon, vocab, generator=gen).to(dtype)
+    roots = torch.randint(0, vocab, (b,), generator=gen)
+    prefix = torch.randint(0, 100, (b,), generator=gen)
+    plain_tree = tree.build_tree(draft, budget, topk_cap=cap)
+    # Target logits whose argmax follows the tree at most nodes, so the walk goes deep.
+    target = torch.randn(b, budget + 1, vocab, generator=gen)
+    for r in range(b):
+        for node in range(budget + 1):
+            kids = (plain_tree.parents[r, 1:] == node).nonzero().flatten()
+            if len(kids) and torch.rand((), generator=gen) < 0.85:
+                pick = kids[torch.randint(0, len(kids), (), generator=gen)]
+                target[r, node, plain_tree.tokens[r, pick]] = 10.0
+    got = _round(kernels, draft, target, roots, prefix, budget, cap, page_size)
+    want = _round(tree, draft, target, roots, prefix, budget, cap, page_size)
+    for name, g, w in zip(("tree", "verify", "walk", "plan"), got, want, strict=True):
+        assert_same(g, w, name)
+    assert int(got[2].num_accepted.max()) > 1
+
+
+def test_empty_budget_gives_root_only():
+    t = kernels.build_tree(torch.randn(2, 3, 10), 0)
+    assert t.tokens.shape == (2, 0) and t.parents.tolist() == [[-1], [-1]]
+
+
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="need CUDA tensors"):
+        kernels.build_tree(torch.randn(1, 2, 10), 4)
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match=r"\[batch, L, V\]"):
+        kernels.build_tree(torch.randn(2, 10), 4)
+    with pytest.raises(ValueError, match="topk_cap"):
+        kernels.build_tree(torch.randn(1, 2, 10), 4, topk_cap=0)
