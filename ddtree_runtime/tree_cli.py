@@ -39,6 +39,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     demo.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     demo.set_defaults(func=_demo)
 
+    bench = tree_sub.add_parser(
+        "bench",
+        help="time build/compile/walk on this machine; JSON lines with medians",
+        description="Times the tree round's steps on random draft logits and prints one JSON line per "
+        "(batch, budget): medians in ms. On CUDA with kernels available, the plain PyTorch path and the "
+        "kernels side by side (ratio = plain / kernels).",
+    )
+    bench.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    bench.add_argument("--batch", default="1,4", help="comma-separated batch sizes (default 1,4)")
+    bench.add_argument("--budget", default="16,64,256", help="comma-separated budgets (default 16,64,256)")
+    bench.add_argument("--horizon", type=int, default=15)
+    bench.add_argument("--vocab", type=int, default=32768)
+    bench.add_argument("--repeats", type=int, default=7)
+    bench.set_defaults(func=_bench)
+
     contract = subparsers.add_parser("contract", help="the target/drafter hidden-state contract")
     contract_sub = contract.add_subparsers(dest="contract_command", metavar="CONTRACT_COMMAND")
     contract.set_defaults(func=lambda _args: (contract.print_help(), 2)[1])
@@ -126,6 +141,70 @@ def _demo(args: argparse.Namespace) -> int:
     path = " -> ".join(str(i) for i in result["accepted"])
     print(f"greedy walk: accepted nodes {path} (acceptance length {k}); bonus '{_word(result['bonus'])}'")
     print("emitted: " + " ".join(_word(t) for t in result["emitted"]))
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import os
+    import statistics
+    import time
+
+    import torch
+
+    from ddtree_runtime import kernels
+    from ddtree_runtime.tree import build_tree, compile_tree, walk_greedy
+
+    try:
+        batches = [int(x) for x in args.batch.split(",")]
+        budgets = [int(x) for x in args.budget.split(",")]
+        device = torch.device(args.device)
+        torch.empty(1, device=device)
+    except (ValueError, RuntimeError) as exc:
+        print(f"error: bad --batch/--budget/--device: {exc}", file=sys.stderr)
+        return 2
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def median_ms(fn: Any) -> float:
+        fn()
+        sync()
+        times = []
+        for _ in range(max(args.repeats, 1)):
+            start = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - start)
+        return round(statistics.median(times) * 1e3, 3)
+
+    saved = os.environ.get("DDTREE_DISABLE_KERNELS")
+    paths = ["plain"]
+    if device.type == "cuda" and kernels.available():
+        paths.append("kernels")
+    gen = torch.Generator(device=device).manual_seed(0)
+    for b in batches:
+        logits = torch.randn(b, args.horizon, args.vocab, device=device, generator=gen)
+        for budget in budgets:
+            row: dict[str, Any] = {"bench": "tree_round", "device": device.type, "b": b, "L": args.horizon,
+                                   "V": args.vocab, "B": budget, "repeats": args.repeats}  # fmt: skip
+            for path in paths:
+                os.environ["DDTREE_DISABLE_KERNELS"] = "1" if path == "plain" else "0"
+                tree = build_tree(logits, budget)
+                root = torch.zeros(b, dtype=torch.long, device=device)
+                prefix = torch.full((b,), 100, dtype=torch.long, device=device)
+                target = torch.randn(b, budget + 1, args.vocab, device=device, generator=gen)
+                row[f"{path}_build_ms"] = median_ms(lambda: build_tree(logits, budget))  # noqa: B023
+                row[f"{path}_compile_ms"] = median_ms(lambda: compile_tree(tree, root, prefix))  # noqa: B023
+                row[f"{path}_walk_greedy_ms"] = median_ms(lambda: walk_greedy(tree, target))  # noqa: B023
+            if "kernels" in paths:
+                for step in ("build", "compile", "walk_greedy"):
+                    kernel_ms = row[f"kernels_{step}_ms"]
+                    row[f"{step}_plain_over_kernels"] = (
+                        round(row[f"plain_{step}_ms"] / kernel_ms, 2) if kernel_ms else None
+                    )
+            print(json.dumps(row), flush=True)
+    if saved is None:
+        os.environ.pop("DDTREE_DISABLE_KERNELS", None)
+    else:
+        os.environ["DDTREE_DISABLE_KERNELS"] = saved
     return 0
 
 

@@ -54,6 +54,28 @@ def test_demo_bad_args(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--vocab >= 2" in capsys.readouterr().err
 
 
+def test_bench_prints_json_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [
+        "tree",
+        "bench",
+        "--batch",
+        "1,2",
+        "--budget",
+        "4",
+        "--vocab",
+        "50",
+        "--horizon",
+        "3",
+        "--repeats",
+        "1",
+    ]
+    assert _run(argv) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["b"], r["B"], r["device"]) for r in rows] == [(1, 4, "cpu"), (2, 4, "cpu")]
+    assert all(r["plain_build_ms"] > 0 and r["plain_walk_greedy_ms"] > 0 for r in rows)
+    assert _run(["tree", "bench", "--batch", "x"]) == 2
+
+
 def test_contract_check_ok(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     target, draft = write_pair(tmp_path, "qwen3.6-27b")
     assert _run(["contract", "check", "--model-path", str(target), "--draft-model-path", str(draft)]) == 0
