@@ -290,3 +290,28 @@ def test_cpu_tensors_never_dispatch(monkeypatch: pytest.MonkeyPatch) -> None:
     )
     t = build_tree(torch.randn(1, 3, 10), 4)
     assert t.num_nodes.tolist() == [4]
+
+
+# ---------------------------------------------------------------------------------------------
+# Masked and broken logits
+
+
+def test_masked_vocabulary_ranks_last_and_stays_finite_in_order() -> None:
+    logits = torch.randn(2, 2, 10, generator=torch.Generator().manual_seed(4))
+    logits[:, :, 3:] = float("-inf")  # 3 live tokens per depth: 3 + 9 live prefixes
+    t = build_tree(logits, 15)
+    assert t.num_nodes.tolist() == [15, 15]
+    assert not torch.isnan(t.scores).any()
+    live = torch.isfinite(t.scores)
+    assert live[:, :12].all() and not live[:, 12:].any(), "the 12 live prefixes first"
+    assert (t.tokens[:, :12] < 3).all() and (t.tokens[:, 12:] >= 3).all()
+    for i, (tokens, depths, parents, _) in enumerate(_reference(logits[:, :, :3], 12)):
+        assert (t.tokens[i, :12].tolist(), t.depths[i, :12].tolist()) == (tokens, depths)
+        assert t.parents[i, :13].tolist() == parents, "the live part is the 3-token tree"
+
+
+def test_nan_logits_are_refused() -> None:
+    logits = torch.randn(1, 2, 5)
+    logits[0, 1, 2] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        build_tree(logits, 4)

@@ -110,3 +110,12 @@ def test_contract_check_missing_dir(tmp_path: Path, capsys: pytest.CaptureFixtur
     argv = ["contract", "check", "--model-path", str(tmp_path / "x"), "--draft-model-path", str(tmp_path)]
     assert _run(argv) == 1
     assert "(bad_config)" in capsys.readouterr().err
+
+
+def test_verbs_are_wired_into_the_ddtree_cli() -> None:
+    from ddtree_runtime.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["tree", "demo"]).func is tree_cli._demo
+    args = parser.parse_args(["contract", "check", "--model-path", "t", "--draft-model-path", "d"])
+    assert args.func is tree_cli._contract_check
