@@ -201,9 +201,12 @@ def build_tree(draft_logits: Tensor, budget: int, *, topk_cap: int | None = None
     by score descending, ties by the ranks tuple (lexicographic, a prefix first).
 
     How, without a heap: the depth-d nodes of the final tree are among the best ``budget - d + 1``
-    children of the kept depth-(d-1) nodes, so one stable sort per depth over [kept x K]
-    candidates finds them; a last stable sort of all kept nodes (arranged in ranks-lexicographic
-    = preorder order) by score gives the final order.
+    children of the kept depth-(d-1) nodes, so one stable sort per depth over the candidates
+    (pruned to those with fewer than ``budget - d + 1`` certainly-better rivals) finds them; a
+    last stable sort of all kept nodes (arranged in ranks-lexicographic = preorder order) by
+    score gives the final order. Scores are compared as fp64 sums of the fp32 log-probs, which
+    are exact for real log-prob ranges, so the order does not depend on how a score was summed
+    (the reference heap sums in Python floats along another path).
     """
     kernel = _kernel_for("build_tree", draft_logits)
     if kernel is not None:
