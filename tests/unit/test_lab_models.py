@@ -92,9 +92,6 @@ def test_make_models_is_byte_deterministic(tmp_path: Path) -> None:
     da, db = _digest(tmp_path / "a"), _digest(tmp_path / "b")
     assert set(da) >= {"target/model.safetensors", "draft/model.safetensors", "draft-mismatched/config.json"}
     assert da == db
-    c = make_models(tmp_path / "c", seed=1, target_steps=3, draft_steps=3, log=lambda _m: None)
-    assert c["target_loss"] != a["target_loss"]
-    assert _digest(tmp_path / "c")["target/model.safetensors"] != da["target/model.safetensors"]
 
 
 def test_tokenizer_round_trips_and_keeps_words_whole() -> None:
