@@ -48,16 +48,17 @@ _RULES: tuple[_Rule, ...] = (
         _rx(r"Not enough memory\. Please try to increase --mem-fraction-static"),
         "the KV cache pool got no memory: --mem-fraction-static is too small for the weights, "
         "--context-length and CUDA graphs",
-        "raise --mem-fraction-static (profile knob), or lower --context-length / --max-running-requests; "
-        "on a tight GPU switch profile: ansible-playbook deploy.yml -l HOST -e sglang_profile=shadow-small",
+        "raise mem-fraction-static in the host's profile (roles/sglang_service/vars/profiles.yml) or lower "
+        "context-length / max-running-requests; on a tight GPU: ansible-playbook deploy.yml -l HOST "
+        "-e sglang_profile=shadow-small",
     ),
     _Rule(
         "hybrid_state_cache_oom",
         _rx(r"Not enough GPU memory for hybrid \(mamba/linear-attention\) state cache"),
         "the hybrid (mamba/linear-attention) state cache does not fit; the DDTree budget scales it "
         "linearly (num_draft_tokens = budget + 1)",
-        "lower --max-running-requests, raise --mem-fraction-static, or lower --speculative-ddtree-budget; "
-        "or deploy the shadow-small profile",
+        "in the profile: lower max-running-requests or max-mamba-cache-size, raise mem-fraction-static, "
+        "or lower speculative-ddtree-budget; or deploy -e sglang_profile=shadow-small",
     ),
     _Rule(
         "hidden_width_mismatch",
@@ -71,9 +72,8 @@ _RULES: tuple[_Rule, ...] = (
         ),
         "the drafter got target hidden states of the wrong width (the build captures the wrong layers, "
         "or target and draft models do not belong together)",
-        "check the pair offline: ddtree probe static --model-path TARGET --draft-model-path DRAFT; "
-        "roll back to the previous release (ansible-playbook deploy.yml -l HOST with the last good "
-        "checkout) and do not promote this build",
+        "check the model pair: ddtree probe static --model-path TARGET --draft-model-path DRAFT; if the "
+        "pair agrees the build is broken: ansible-playbook ansible/rollback.yml -l HOST, do not promote it",
     ),
     _Rule(
         "hidden_states_missing",
@@ -84,8 +84,8 @@ _RULES: tuple[_Rule, ...] = (
             r"\bhidden_states_missing\b",
         ),
         "the target forward returned no hidden states for the drafter (capture not enabled in this build)",
-        "the runtime/plugin build is broken: roll back to the previous release and check that the "
-        "DDTREE plugin is the one installed (ddtree probe static ..., then the live probe)",
+        "the runtime/plugin build is broken: ansible-playbook ansible/rollback.yml -l HOST, and do not "
+        "promote this build",
     ),
     _Rule(
         "port_in_use",
@@ -99,24 +99,24 @@ _RULES: tuple[_Rule, ...] = (
         _rx(r"Unknown speculative algorithm name:? *'?DDTREE", r"invalid choice: '?DDTREE"),
         "SGLang does not know DDTREE: the ddtree-runtime plugin is not installed in the unit's venv "
         "or its entry point did not load",
-        "re-run the runtime role (ansible-playbook deploy.yml -l HOST --tags runtime) and check: "
-        "VENV/bin/python -c 'from importlib.metadata import entry_points; "
-        "print(entry_points(group=\"sglang.srt.plugins\"))'",
+        "redeploy (ansible-playbook deploy.yml -l HOST: the runtime role refuses a release without the "
+        "plugin) and check the release: RELEASE/bin/python -c 'from importlib.metadata import "
+        "entry_points; print(entry_points(group=\"sglang.srt.plugins\"))'",
     ),
     _Rule(
         "cuda_out_of_memory",
         _rx(r"CUDA out of memory", r"torch\.OutOfMemoryError", r"CUDA error: out of memory"),
         "a CUDA allocation failed at run time (activations or CUDA-graph capture, not the KV pool)",
-        "lower --mem-fraction-static a little, cap --cuda-graph-max-bs-decode, or lower "
-        "--max-running-requests; last resort profile shadow-small-nograph",
+        "in the profile: lower mem-fraction-static a little, cap cuda-graph-max-bs-decode, or lower "
+        "max-running-requests; last resort -e sglang_profile=shadow-small-nograph",
     ),
     _Rule(
         "start_timeout",
         _rx(r"start operation timed out"),
         "systemd gave up waiting for the unit to start (model load plus CUDA-graph capture took longer "
         "than TimeoutStartSec)",
-        "raise the unit's start timeout (role variable) or find what hung: journalctl -u UNIT -b; "
-        "ddtree diagnose --unit UNIT",
+        "raise sglang_service_start_timeout (seconds) for the host and redeploy, or find what hung: "
+        "journalctl -u UNIT -b",
     ),
     _Rule(
         "crash_loop",

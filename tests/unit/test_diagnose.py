@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -95,7 +96,7 @@ def test_cli_json_from_file_and_exit_codes(tmp_path):
     assert res.returncode == 1, res.stderr
     doc = json.loads(res.stdout)
     assert doc["causes"] == ["mem_fraction_too_small", "crash_loop"]
-    assert doc["findings"][0]["fix"].startswith("raise --mem-fraction-static")
+    assert doc["findings"][0]["fix"].startswith("raise mem-fraction-static")
 
     res = _cli("--journal", "-", stdin="all fine\n")
     assert res.returncode == 0 and "no known failure" in res.stdout
@@ -112,3 +113,12 @@ def test_cli_text_shows_evidence_and_fix(capsys):
     out = capsys.readouterr().out
     assert code == 1
     assert "port_in_use" in out and "evidence: " + LINES["port_in_use"] in out and "fix: " in out
+
+
+def test_every_cause_has_a_runbook_section():
+    runbook = (Path(__file__).resolve().parents[2] / "docs" / "runbook.md").read_text()
+    sections = set(re.findall(r"^### (\S+)$", runbook, flags=re.M))
+    assert set(CAUSES) <= sections, set(CAUSES) - sections
+    for probe_cause in ("unreachable", "not_ready", "generation_failed", "empty_answer", "flags_mismatch",
+                        "handshake_pending", "acceptance_low", "server_info_unavailable"):
+        assert f"| `{probe_cause}` |" in runbook
