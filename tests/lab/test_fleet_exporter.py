@@ -98,6 +98,7 @@ def test_exporter_role_installs_a_scrapable_hardened_exporter(lab, host: fleet.T
         _sh(host, f"systemctl start ddtree-probe@{unit}.service")
         report = json.loads(_sh(host, f"cat /var/lib/ddtree/probe/{unit}.json"))
         assert (report["ok"], report["cause"], report["exit_code"]) == (False, "unreachable", 3)
+        assert report["figures"]["diagnosis"] == []  # the unit's journal was readable, nothing known in it
 
         s = _scrape(f"http://{host.address}:{port}/metrics")  # from the controller, over the lab net
         u = ("unit", unit)
