@@ -486,8 +486,11 @@ class Handler(BaseHTTPRequestHandler):
     def lab(self) -> LabServer:
         return self.server.lab  # type: ignore[attr-defined]
 
-    def log_message(self, fmt: str, *args) -> None:  # uvicorn-style access log
-        log.info('%s:%d - "%s" %s', self.client_address[0], self.client_address[1], self.requestline, args[1])
+    def log_message(self, fmt: str, *args) -> None:
+        if fmt.startswith('"%s"') and len(args) >= 2:  # the access line, uvicorn-style
+            log.info('%s:%d - "%s" %s', self.client_address[0], self.client_address[1], args[0], args[1])
+        else:
+            log.info("%s:%d - %s", self.client_address[0], self.client_address[1], fmt % args)
 
     def _send(self, status: int, body, content_type: str = "application/json") -> None:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -561,6 +564,10 @@ class Handler(BaseHTTPRequestHandler):
             if lab.metrics is None:
                 return self._error(404, "Not Found: start the server with --enable-metrics")
             return self._send(200, lab.metrics.render(), CONTENT_TYPE)
+        if path == "/flush_cache":
+            return self._send(
+                200, b"Cache flushed.\nPlease check backend logs for more details.", "text/plain"
+            )
         if path == "/get_load":
             return self._send(
                 200,
@@ -577,6 +584,8 @@ class Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         path = self.path.split("?", 1)[0]
         openai = path.startswith("/v1/")
+        if path == "/flush_cache":
+            return self.do_GET()
         if path not in ("/generate", "/v1/chat/completions", "/v1/completions"):
             return self._error(404, "Not Found", openai=openai)
         body = self._read_json(openai=openai)
