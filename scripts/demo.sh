@@ -3,7 +3,7 @@
 # show that it serves. Steps: lab host up (systemd-nspawn, real systemd + sshd) -> wheelhouse (what the
 # host installs from) -> `ansible-playbook deploy.yml -i inventories/lab -l ct129` (release venv, lab
 # models made on the host, static probe, unit, live probe) -> the probe report and a request.
-# Needs root (namespaces, mounts). Leaves the lab running; `ddtree lab down` removes it.
+# Needs root (namespaces, mounts). Leaves the lab running; `ddtree lab down --name default` removes it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -23,7 +23,7 @@ step "Lab host prerequisites (Debian packages, once)"
 bash scripts/lab/prereqs.sh
 
 step "Lab host $HOST up (the first run makes the Debian rootfs: about a minute)"
-ddtree lab up --hosts $((${HOST#ct} - 128))
+ddtree lab up --name default --hosts $((${HOST#ct} - 128))
 
 step "Wheelhouse .lab/wheelhouse (CPU torch, SGLang without CUDA, this checkout's wheel)"
 ddtree lab wheelhouse
@@ -54,7 +54,7 @@ cat <<EOF
 The service runs on lab host $HOST ($ADDRESS:$PORT). Try:
   curl -s http://$ADDRESS:$PORT/generate -H 'Content-Type: application/json' -d '$REQUEST'
   curl -s http://$ADDRESS:$PORT/server_info
-  ddtree lab status                         # the lab hosts
+  ddtree lab status --name default          # the lab hosts
   ansible-playbook deploy.yml -i inventories/lab -l $HOST -e sglang_profile=shadow-small
-  ddtree lab down                           # remove the lab hosts
+  ddtree lab down --name default            # remove the lab hosts
 EOF
