@@ -3,6 +3,7 @@ can gate on, the lossless T > 0 walk, stop tokens, and the contract guard on the
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -190,3 +191,28 @@ def test_bad_sampling_params_are_named() -> None:
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams.from_dict({"top_p": 0})
     assert SamplingParams.from_dict({"max_new_tokens": 5, "stop": ["x"]}).max_new_tokens == 5
+
+
+def test_bench_prints_one_json_line_per_method(models: Path, capsys) -> None:
+    from ddtree_runtime.lab.bench import main
+
+    assert main(["--models", str(models), "--device", "cpu", "--max-new-tokens", "12", "--repeats", "1"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    methods = [(r["method"], r["budget"]) for r in rows]
+    assert methods == [("AR", None), ("DFLASH", None), ("DDTREE", 16), ("DDTREE", 64)]
+    assert rows[0]["accept_length_mean"] == 1.0 and rows[0]["speedup_vs_ar"] == 1.0
+    assert all(r["tokens_per_s_median"] > 0 for r in rows)
+    assert all(r["accept_length_mean"] > 1.0 for r in rows[1:])
+
+
+def test_greedy_request_stays_exact_next_to_sampled_ones(engines, greedy) -> None:
+    engine = engines["DDTREE16"]
+    prompts = [engine.tokenizer.encode(p) for p in LAB_PROMPTS[:3]]
+    params = [
+        SamplingParams(max_new_tokens=NEW, temperature=1.0),
+        SamplingParams(max_new_tokens=NEW),
+        SamplingParams(max_new_tokens=NEW, temperature=0.7, top_p=0.9, top_k=5),
+    ]
+    out = engine.generate(prompts, params)
+    assert out[1].output_ids == greedy["AR"][0][1]
+    assert out[0].output_ids != greedy["AR"][0][0]
