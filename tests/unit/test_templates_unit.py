@@ -144,6 +144,7 @@ def test_unit_shape_for_a_gpu_inference_server(rendered):
     assert directive(text, "User") == ["sglang"]
     assert directive(text, "Restart") == ["on-failure"]
     assert directive(text, "SuccessExitStatus") == ["SIGKILL"]
+    assert directive(text, "RestartForceExitStatus") == ["SIGKILL"]  # a self-kill outside a stop = crash
     assert directive(text, "KillMode") == ["control-group"]
     assert int(directive(text, "TimeoutStartSec")[0]) >= 1800
     assert directive(text, "EnvironmentFile") == ["/etc/sglang/sglang-qwen.env"]

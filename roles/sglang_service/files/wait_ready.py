@@ -1,8 +1,9 @@
 """Wait until a systemd-run SGLang server answers its readiness URL; give up early when the unit dies.
 
-Runs on the host (stdlib only) with the release's Python. Prints one JSON object and exits 0 (ready),
-1 (the unit failed, stopped or crash-restarted) or 3 (still not ready when the timeout ran out).
-Polling readiness alone would sit out the whole timeout (minutes on a GPU host) after a crash.
+Runs on the host (stdlib only) with the release's Python. Prints one JSON object and exits 0 (ready,
+and still up after --stable seconds), 1 (the unit failed, stopped or crash-restarted) or 3 (still not
+ready when the timeout ran out). Polling readiness alone would sit out the whole timeout (minutes on a
+GPU host) after a crash; --stable catches a server that dies soon after it first answers.
 """
 
 from __future__ import annotations
@@ -46,12 +47,34 @@ def dead_reason(state: dict[str, str]) -> str | None:
     return None
 
 
+def hold(args: argparse.Namespace, report: dict) -> int:
+    """Ready: watch the unit for --stable seconds more, then ask readiness once again."""
+    ready_s = report["waited_s"]
+    until = time.monotonic() + args.stable
+    while time.monotonic() < until:
+        time.sleep(min(args.interval, max(0.0, until - time.monotonic())))
+        state = unit_state(args.unit)
+        reason = dead_reason(state)
+        if reason:
+            after = time.monotonic() - until + args.stable
+            print(json.dumps({**report, "state": state, "ready": False, "ready_s": ready_s,
+                              "reason": f"{reason} {after:.0f} s after it was ready"}))
+            return 1
+    if args.stable > 0 and not answers(args.url):
+        print(json.dumps({**report, "ready": False, "ready_s": ready_s,
+                          "reason": f"stopped answering within {args.stable:.0f} s after it was ready"}))
+        return 1
+    print(json.dumps({**report, "ready": True, "ready_s": ready_s, "stable_s": args.stable, "reason": None}))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--unit", required=True)
     parser.add_argument("--url", required=True)
     parser.add_argument("--timeout", type=float, required=True, help="seconds")
     parser.add_argument("--interval", type=float, default=2.0)
+    parser.add_argument("--stable", type=float, default=0.0, help="seconds the unit must stay up once ready")
     parser.add_argument("--since", default="", help="host clock at the restart (for the report)")
     args = parser.parse_args()
 
@@ -67,8 +90,7 @@ def main() -> int:
             print(json.dumps({**report, "ready": False, "reason": reason}))
             return 1
         if state.get("ActiveState") == "active" and answers(args.url):
-            print(json.dumps({**report, "ready": True, "reason": None}))
-            return 0
+            return hold(args, report)
         if time.monotonic() >= deadline:
             reason = f"not ready after {args.timeout:.0f} s (start_timeout)"
             print(json.dumps({**report, "ready": False, "reason": reason}))
