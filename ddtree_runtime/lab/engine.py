@@ -101,6 +101,10 @@ class EngineStats:
 
 
 class LabEngine:
+    """The lab models plus one decoding algorithm (NONE = autoregressive, DFLASH, DDTREE); `generate` runs a
+    batch to completion. Speculative engines load the hidden-state contract first and guard every target
+    forward with it (`HiddenStateError` carries SGLang's wording and the contract's)."""
+
     def __init__(
         self,
         target_dir: str | Path,
@@ -298,13 +302,16 @@ class LabEngine:
         # Flat [N, width] over the real tokens, as SGLang hands it to the drafter.
         real = torch.arange(n, device=self.device)[None] < counts[:, None]
         flat = None if feats is None else feats[real]
-        self._check_hidden(flat, phase)
+        self._check_hidden(flat, phase, int(counts.sum()))
         return logits, feats
 
-    def _check_hidden(self, hidden: Tensor | None, phase: str) -> None:
-        assert self.contract is not None
+    def _check_hidden(self, hidden: Tensor | None, phase: str, num_tokens: int) -> None:
+        assert self.contract is not None and self.draft is not None
+        fc = self.draft.fc.weight
         try:
-            check_hidden_states(hidden, self.contract)
+            check_hidden_states(
+                hidden, self.contract, num_tokens=num_tokens, dtype=fc.dtype, device=fc.device
+            )
         except ContractError as exc:
             self.stats.hidden_missing = hidden is None
             if hidden is not None and hidden.dim() == 2:
