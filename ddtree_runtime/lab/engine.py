@@ -9,6 +9,7 @@ sampling walk) -> `commit_plan` moves the accepted K/V rows -> the accepted rows
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -140,6 +141,8 @@ class LabEngine:
             self.mask_id = int(self.contract.mask_token_id if self.contract.mask_token_id is not None else 0)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.stats = EngineStats()
+        # called after every decode round with (running requests, tokens held); the server logs from it
+        self.on_round: Callable[[int, int], None] | None = None
 
     # ------------------------------------------------------------------ public
 
@@ -215,6 +218,8 @@ class LabEngine:
             roots = emitted.gather(1, (nums - 1)[:, None])[:, 0]
             for j, r in enumerate(live):
                 outputs[r].extend(emitted[j, : int(nums[j])].tolist())
+            if self.on_round is not None:
+                self.on_round(len(live), sum(len(p) + len(o) for p, o in zip(prompts, outputs, strict=True)))
         for r in range(b):
             results[r].output_ids, results[r].finish_reason = self._truncate(outputs[r], params[r])
 

@@ -37,6 +37,7 @@ from ddtree_runtime.lab.serving_metrics import ServingMetrics
 log = logging.getLogger("ddtree.lab")
 SGLANG_VERSION = "0.5.23"  # the release whose surface the lab server speaks
 WARMUP_TEXT = "The capital city of France is"
+DECODE_LOG_INTERVAL = 40  # decode steps between two "Decode batch" lines, as in SGLang
 
 
 _NOT_SERVER_ARGS = ("command", "lab_command", "func", "lab_fault")
@@ -70,6 +71,7 @@ class LabServer:
         self.last_gen_throughput = 0.0
         self._scheduler: threading.Thread | None = None
         self._decode_steps = 0
+        self._logged = (0, 0)  # engine (verify_ct, accepted_sum) at the last decode log line
 
     # ------------------------------------------------------------------ start-up
 
@@ -98,6 +100,7 @@ class LabServer:
             fault=self.plan.engine_fault,
             seed=sa["random_seed"] or 0,
         )
+        self.engine.on_round = self._on_round
         weights = self._weight_bytes()
         log.info(
             "Load weight end. type=Qwen3ForCausalLM, dtype=torch.float32, avail mem=%.2f GB, "
@@ -231,6 +234,35 @@ class LabServer:
         if self.metrics is not None:
             self.metrics.num_running_reqs.set(0)
 
+    def _on_round(self, running: int, tokens: int) -> None:
+        """SGLang logs a decode line every 40 decode steps; so does the lab, inside long batches."""
+        self._decode_steps += 1
+        if self._decode_steps % DECODE_LOG_INTERVAL:
+            return
+        stats = self.engine.stats
+        verify, accepted = stats.verify_ct - self._logged[0], stats.accepted_sum - self._logged[1]
+        self._logged = (stats.verify_ct, stats.accepted_sum)
+        spec = ""
+        if verify:
+            rate = (accepted / verify - 1) / max(1, (self.sargs["speculative_num_draft_tokens"] or 2) - 1)
+            spec = f"accept len: {accepted / verify:.2f}, accept rate: {rate:.2f}, "
+        cap = self.memory.max_total_num_tokens if self.memory else 1
+        log.info(
+            "Decode batch, #running-req: %d, #token: %d, token usage: %.2f, %scuda graph: %s, "
+            "gen throughput (token/s): %.2f, #queue-req: %d,",
+            running,
+            tokens,
+            tokens / cap,
+            spec,
+            self._cuda_graph,
+            self.last_gen_throughput,
+            self.jobs.qsize(),
+        )
+
+    @property
+    def _cuda_graph(self) -> bool:
+        return self.device == "cuda" and not self.sargs["disable_cuda_graph"]
+
     def _token_usage(self, prompts, generated: int) -> float:
         cap = self.memory.max_total_num_tokens if self.memory else 1
         return (sum(map(len, prompts)) + generated) / cap
@@ -248,7 +280,7 @@ class LabServer:
             sum(map(len, prompts)) + tokens,
             self._token_usage(prompts, tokens),
             spec,
-            self.device == "cuda" and not self.sargs["disable_cuda_graph"],
+            self._cuda_graph,
             self.last_gen_throughput,
             self.jobs.qsize(),
         )
