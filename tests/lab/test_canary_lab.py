@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.lab.conftest import REPO, LabHandle
 
@@ -67,55 +70,41 @@ def _runtime_version(lab: LabHandle, host: str, port: int = 30000) -> str:
 
 
 def _build_id(source: Path) -> str:
-    """The release id the runtime role will give this checkout (same script, same pins)."""
-    import subprocess
-    import sys
-
-    import yaml
-
+    """The release id the runtime role will give this checkout (its own build script, the lab's pins)."""
     group = yaml.safe_load((REPO / "inventories/lab/group_vars/all.yml").read_text())
     pins = group["ddtree_runtime_packages"] + group["ddtree_runtime_nodeps_packages"]
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "roles/ddtree_runtime/files/build_release.py"),
-            "--source",
-            str(source),
-            "--out",
-            str(REPO / ".whl"),
-            *[f"--pin={p}" for p in pins],
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    )
+    script = REPO / "roles/ddtree_runtime/files/build_release.py"
+    argv = [sys.executable, str(script), "--source", str(source), "--out", str(REPO / ".whl")]
+    proc = subprocess.run([*argv, *[f"--pin={p}" for p in pins]], capture_output=True, text=True,
+                          timeout=600, check=True)  # fmt: skip
     return json.loads(proc.stdout)["release_id"]
 
 
-@pytest.fixture(scope="module")
-def world(lab: LabHandle, tmp_path_factory) -> dict:
-    """Build A live on both hosts, build B ready to canary; nothing of B or of a canary on the hosts."""
-    b = tmp_path_factory.mktemp("build-b")
+def _freeze(dest: Path, version: str | None = None) -> tuple[Path, str]:
+    """A copy of the checkout's package sources (others may edit the tree meanwhile), version changed."""
     for name in ("pyproject.toml", "README.md"):
-        shutil.copy2(REPO / name, b / name)
-    shutil.copytree(
-        REPO / "ddtree_runtime",
-        b / "ddtree_runtime",
-        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info"),
+        shutil.copy2(REPO / name, dest / name)
+    shutil.copytree(REPO / "ddtree_runtime", dest / "ddtree_runtime",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))  # fmt: skip
+    init = dest / "ddtree_runtime" / "__init__.py"
+    lines = init.read_text().splitlines()
+    (current,) = [line.split('"')[1] for line in lines if line.startswith("__version__ = ")]
+    if version is not None:
+        lines = [
+            f'__version__ = "{version}"' if line.startswith("__version__ = ") else line for line in lines
+        ]
+        init.write_text("\n".join(lines) + "\n")
+    return dest, version or current
+
+
+@pytest.fixture(scope="module")
+def world(lab: LabHandle, wheelhouse: Path, tmp_path_factory) -> dict:
+    """Build A live on both hosts, build B ready to canary; nothing of B or of a canary on the hosts."""
+    a, version_a = _freeze(tmp_path_factory.mktemp("build-a"))
+    b, version_b = _freeze(tmp_path_factory.mktemp("build-b"), version_a + "+canary.b")
+    deploy = lab.ansible_playbook(
+        "deploy.yml", "-l", ",".join(lab.hosts), "-e", f"ddtree_runtime_source_dir={a}"
     )
-    init = b / "ddtree_runtime" / "__init__.py"
-    version = "0.1.0+canary.b"
-    text = init.read_text()
-    assert '__version__ = "' in text
-    init.write_text(
-        "\n".join(
-            f'__version__ = "{version}"' if line.startswith("__version__") else line
-            for line in text.splitlines()
-        )
-        + "\n"
-    )
-    deploy = lab.ansible_playbook("deploy.yml", "-l", ",".join(lab.hosts))
     assert deploy.returncode == 0, deploy.stdout[-5000:]
     ids = {"a": _release_of(lab, lab.hosts[0]), "b": _build_id(b)}
     assert ids["a"] != ids["b"]
@@ -124,12 +113,7 @@ def world(lab: LabHandle, tmp_path_factory) -> dict:
         # A leftover of an earlier session on a kept lab would blur "never touched".
         lab.ssh(host, f"rm -rf /opt/ddtree/releases/{ids['b']} /var/lib/ddtree/canary")
     before = {host: {p: lab.ssh(host, f"cat {p}").stdout for p in LIVE_FILES[:2]} for host in lab.hosts}
-    version_a = next(
-        line.split('"')[1]
-        for line in (REPO / "ddtree_runtime/__init__.py").read_text().splitlines()
-        if line.startswith("__version__")
-    )
-    return {"b": b, "ids": ids, "version": version, "version_a": version_a, "unit_a": before}
+    return {"b": b, "ids": ids, "version": version_b, "version_a": version_a, "unit_a": before}
 
 
 def _canary(lab: LabHandle, world: dict, *extra: str):
