@@ -15,9 +15,12 @@ log_softmax computes it.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 _PAD_KEY = tl.constexpr(-(2**63))  # below every real key (a real -inf still sorts above it)
 
@@ -118,6 +121,8 @@ def _merge_kernel(
     ids_ptr,
     KC: tl.constexpr,
     NCP: tl.constexpr,
+    NB: tl.constexpr,
+    PRECISE_LOG: tl.constexpr,
 ):
     row = tl.program_id(0)
     cs = tl.arange(0, NCP)
@@ -126,12 +131,26 @@ def _merge_kernel(
     csum = tl.load(sum_ptr + row * n_chunks + cs, mask=cmask, other=0.0)
     m = tl.max(cm, axis=0)
     safe = tl.where(m == float("-inf"), 0.0, m)
-    log_sum = tl.log(tl.sum(csum * tl.exp(cm - safe), axis=0))
+    total = tl.sum(csum * tl.exp(cm - safe), axis=0)
+    # libdevice's log (not the fast approximate one) keeps log-probs within an ulp of PyTorch's;
+    # the CPU interpreter's tl.log is numpy's, precise already (it cannot run libdevice here).
+    if PRECISE_LOG:  # noqa: SIM108 (a constexpr branch: only one side is compiled)
+        log_sum = libdevice.log(total)
+    else:
+        log_sum = tl.log(total)
     top = tl.full([KC], _PAD_KEY, tl.int64)
     base = keys_ptr + row.to(tl.int64) * n_chunks * KC
-    for c in range(0, n_chunks):
-        keys = tl.load(base + c * KC + tl.arange(0, KC))
-        top = tl.topk(tl.reshape(tl.join(top, keys), [2 * KC]), KC)
+    lanes = tl.arange(0, KC)
+    # NB chunks' lists per step: one wide sort instead of a long chain of small ones.
+    for c0 in range(0, n_chunks, NB):
+        cidx = c0 + tl.arange(0, NB)
+        block = tl.load(
+            base + cidx[:, None] * KC + lanes[None, :], mask=cidx[:, None] < n_chunks, other=_PAD_KEY
+        )
+        block = tl.reshape(block, [NB * KC])
+        if NB > 1:
+            block = tl.topk(block, KC)
+        top = tl.topk(tl.reshape(tl.join(top, block), [2 * KC]), KC)
     x, ids = _decode(top)
     lp = (x - m) - log_sum
     # Re-sort by the log-prob itself: distinct logits can round to one log-prob, which then ties.
@@ -162,8 +181,14 @@ def plan(rows: int, vocab: int, k: int) -> tuple[int, int, int]:
     return kc, tile, chunk
 
 
-def topk_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[..., V]`` float logits -> (fp32 log-probs, int64 ids) ``[..., k]``, as tree.topk_log_probs."""
+def topk_log_probs(
+    logits: torch.Tensor, k: int, *, chunk: int | None = None, cap: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[..., V]`` float logits -> (fp32 log-probs, int64 ids) ``[..., k]``, as tree.topk_log_probs.
+
+    ``chunk`` (a multiple of the tile) and ``cap`` (scratch slots per chunk; small = the exact
+    fallback always) override the plan, for tests.
+    """
     vocab = logits.shape[-1]
     if not 1 <= k <= vocab:
         raise ValueError(f"k must be in [1, V={vocab}], got {k}")
@@ -172,11 +197,12 @@ def topk_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows = x.shape[0]
-    kc, tile, chunk = plan(rows, vocab, k)
+    kc, tile, planned = plan(rows, vocab, k)
+    chunk = chunk or planned
     n_chunks = triton.cdiv(vocab, chunk)
     dev = x.device
     keys = torch.empty((rows, n_chunks, kc), dtype=torch.int64, device=dev)
-    cap = 4 * kc
+    cap = cap or 4 * kc
     scratch = torch.empty((rows, n_chunks, cap), dtype=torch.int64, device=dev)
     cmax = torch.empty((rows, n_chunks), dtype=torch.float32, device=dev)
     csum = torch.empty((rows, n_chunks), dtype=torch.float32, device=dev)
@@ -188,6 +214,8 @@ def topk_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
             KC=kc, TILE=tile, CAP=cap, num_warps=8,
         )
         _merge_kernel[(rows,)](
-            keys, cmax, csum, n_chunks, k, lp, ids, KC=kc, NCP=max(_pow2(n_chunks), 2), num_warps=8
+            keys, cmax, csum, n_chunks, k, lp, ids,
+            KC=kc, NCP=max(_pow2(n_chunks), 2), NB=min(max(4096 // kc, 1), _pow2(n_chunks)),
+            PRECISE_LOG=os.environ.get("TRITON_INTERPRET") != "1", num_warps=8,
         )
     return lp.reshape(*lead, k), ids.reshape(*lead, k)

@@ -70,7 +70,7 @@ def test_available_on_cuda():
         (1, 15, 248320, 64, torch.bfloat16, None),
         (3, 15, 248320, 256, torch.bfloat16, None),
         (4, 15, 32000, 16, torch.float32, None),
-        (2, 7, 5000, 1024, torch.float16, None),
+        (2, 7, 5000, 300, torch.float16, None),
         (2, 15, 9000, 100, torch.bfloat16, 4),
         (3, 4, 10, 64, torch.float32, None),  # budget > vocab
         (2, 3, 4, 200, torch.float32, None),  # fewer prefixes than the budget: padding
@@ -87,6 +87,42 @@ def test_round_matches_plain_path(monkeypatch, batch, horizon, vocab, budget, dt
     got = full_round(tree, draft, target, roots, prefix, budget, 16, cap)  # dispatches to the kernels
     assert_same(got, want, "round")
     assert int(got[2].num_accepted.max()) > 1  # the walk really went down the tree
+
+
+def test_large_budget_stage_by_stage(monkeypatch):
+    """B = 1024: path scores of different nodes come within an ulp of the log-probs, where the
+    kernels' and PyTorch's logsumexp (summed in another order) may round apart; so each stage is
+    compared on the same inputs: top-K with the plain top-K, the tree with the reference heap on
+    the kernels' top-K, and compile / walk / commit with the plain functions on the same tree."""
+    from ddtree_runtime.kernels.topk import topk_log_probs
+
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    batch, budget, vocab = 2, 1024, 248320
+    draft = (torch.randn((batch, 15, vocab), device=DEV, generator=gen) * 2).to(torch.bfloat16)
+    lp, ids = topk_log_probs(draft, budget)
+    want_lp, want_ids = tree.topk_log_probs(draft, budget)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(lp, want_lp, rtol=0, atol=2e-6)
+    t = kernels.build_tree(draft, budget)
+    for r in range(batch):
+        toks, deps, pars, _ = tree._reference_build_tree(lp[r].tolist(), ids[r].tolist(), budget)
+        assert t.tokens[r].tolist() == toks
+        assert t.depths[r].tolist() == deps
+        assert t.parents[r].tolist() == pars
+    target = torch.randn((batch, budget + 1, vocab), device=DEV, generator=gen).to(torch.bfloat16)
+    follow_draft(draft, target, t)
+    roots = torch.randint(0, vocab, (batch,), device=DEV, generator=gen)
+    prefix = torch.tensor([7, 300], device=DEV)
+    want_verify = plain(monkeypatch, tree.compile_tree, t, roots, prefix)
+    assert_same(kernels.compile_tree(t, roots, prefix), want_verify)
+    walk = kernels.walk_greedy(t, target)
+    assert_same(walk, plain(monkeypatch, tree.walk_greedy, t, target))
+    assert int(walk.num_accepted.min()) > 3
+    for page in (1, 64):
+        assert_same(
+            kernels.commit_plan(walk, prefix, page_size=page),
+            plain(monkeypatch, tree.commit_plan, walk, prefix, page_size=page),
+        )
 
 
 @pytest.mark.parametrize("budget", [8, 64, 300])
@@ -178,3 +214,29 @@ def test_cuda_graph_replay_with_new_logits(monkeypatch):
         torch.cuda.synchronize()
         want = plain(monkeypatch, full_round, tree, d, t, r, prefix, budget)
         assert_same(static_out, want, "graph")
+
+
+@pytest.mark.parametrize("rows", [1, 15, 480])
+@pytest.mark.parametrize("k", [16, 64, 256, 1024])
+@pytest.mark.parametrize("variant", ["planned", "fallback", "one_tile_chunks"])
+def test_topk_is_the_stable_order_full_vocab(rows, k, variant):
+    from ddtree_runtime.kernels.topk import plan, topk_log_probs
+
+    vocab = 248320
+    gen = torch.Generator(device=DEV).manual_seed(rows * 7 + k)
+    x = (torch.randn((rows, vocab), device=DEV, generator=gen) * 2).to(torch.bfloat16)
+    kc, tile, _ = plan(rows, vocab, k)
+    opts = {"fallback": {"cap": kc}, "one_tile_chunks": {"chunk": tile}}.get(variant, {})
+    lp, ids = topk_log_probs(x, k, **opts)
+    ref = torch.sort(torch.log_softmax(x.float(), -1), dim=-1, descending=True, stable=True)
+    want = ref.indices[:, :k]
+    bad = (ids != want).nonzero()
+    if len(bad):
+        r, j = bad[0].tolist()
+        lo = max(j - 2, 0)
+        pytest.fail(
+            f"{len(bad)} ids differ (rows {sorted(set(bad[:, 0].tolist()))[:8]}); first row {r} rank {j}: "
+            f"got {ids[r, lo : j + 3].tolist()} lp {lp[r, lo : j + 3].tolist()}, "
+            f"want {want[r, lo : j + 3].tolist()} lp {ref.values[r, lo : j + 3].tolist()}"
+        )
+    torch.testing.assert_close(lp, ref.values[:, :k], rtol=0, atol=1e-5)
