@@ -6,7 +6,6 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
 
 from tests.sglang.conftest import ddtree_argv, resolve
 
@@ -82,6 +81,8 @@ def test_live_handshake_travels_from_scheduler_state_to_server_info(sglang_plugi
 
 
 def test_metrics_are_exported_under_sglang_ddtree_names():
+    from prometheus_client import CollectorRegistry, generate_latest
+
     from ddtree_runtime.sglang_plugin.handshake import METRIC_NAMES, HandshakeMetrics
 
     registry = CollectorRegistry()
