@@ -17,6 +17,12 @@ if [ "$(id -u)" -ne 0 ]; then
     exit 1
 fi
 step() { printf '\n==> %s\n' "$*"; }
+# JSON, indented, with lists of numbers kept on one line (token ids, histograms).
+pretty() {
+    python -c 'import json, re, sys
+text = json.dumps(json.load(sys.stdin), indent=2)
+print(re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text))'
+}
 started=$SECONDS
 
 step "Lab host prerequisites (Debian packages, once)"
@@ -38,16 +44,16 @@ ssh_host() {
 }
 
 step "Probe report ($HOST:/var/lib/ddtree/probe/sglang-qwen.json)"
-ssh_host cat /var/lib/ddtree/probe/sglang-qwen.json | python -m json.tool
+ssh_host cat /var/lib/ddtree/probe/sglang-qwen.json | pretty
 
 step "Service on $HOST"
-ssh_host systemctl --no-pager --lines=0 status sglang-qwen.service || true
+ssh_host systemctl --no-pager --lines=0 status sglang-qwen.service 2>/dev/null | head -5 || true
 
 REQUEST='{"text": "The lab host says", "sampling_params": {"max_new_tokens": 16, "temperature": 0}}'
 step "A request from this machine to the service"
 echo "curl -s http://$ADDRESS:$PORT/generate -H 'Content-Type: application/json' -d '$REQUEST'"
 curl -sS --max-time 60 "http://$ADDRESS:$PORT/generate" -H 'Content-Type: application/json' -d "$REQUEST" \
-    | python -m json.tool
+    | pretty
 
 step "Done in $((SECONDS - started)) s"
 cat <<EOF

@@ -100,7 +100,7 @@ def up(
         _write_inventory(lab)
         _wait_ready(lab, lab.hosts, timeout, progress)
         progress(
-            f"lab {name!r}: {num_hosts} host(s) ready in {time.monotonic() - started:.1f} s; "
+            f"lab {name!r}: {lab.num_hosts} host(s) ready in {time.monotonic() - started:.1f} s; "
             f"inventory {lab.inventory_dir}"
         )
     return lab
