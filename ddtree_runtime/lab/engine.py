@@ -153,75 +153,17 @@ class LabEngine:
             return self.budget + 1
         return self.block_size if self.algorithm == "DFLASH" else 1
 
+    def new_batch(self) -> RunningBatch:
+        return RunningBatch(self)
+
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[GenerationResult]:
-        if len(prompts) != len(params):
-            raise ValueError("one SamplingParams per prompt")
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("every prompt needs at least one token")
-        results = [GenerationResult([], {"type": "length", "length": 0}, len(p)) for p in prompts]
-        self.stats.prompt_tokens += sum(len(p) for p in prompts)
-        todo = [i for i, p in enumerate(params) if p.max_new_tokens > 0]
-        if todo:
-            self._run([prompts[i] for i in todo], [params[i] for i in todo], [results[i] for i in todo])
-        self.stats.generated_tokens += sum(r.completion_tokens for r in results)
-        return results
-
-    # ------------------------------------------------------------------ decoding loop
-
-    def _run(self, prompts: list[list[int]], params: list[SamplingParams], results: list[GenerationResult]):
-        dev = self.device
-        b = len(prompts)
-        lens = torch.tensor([len(p) for p in prompts], device=dev)
-        n = int(lens.max())
-        rows_per_round = self.num_draft_tokens + (self.block_size if self.draft is not None else 1)
-        capacity = n + max(p.max_new_tokens for p in params) + rows_per_round + 2
-        cache = self.target.new_cache(b, capacity)
-        ids = torch.zeros((b, n), dtype=torch.long, device=dev)
-        for i, p in enumerate(prompts):
-            ids[i, : len(p)] = torch.tensor(p, device=dev)
-        positions = torch.arange(n, device=dev)[None].expand(b, -1)
-        logits, feats = self._target_forward(
-            ids, positions, causal_mask(n, dev)[None].expand(b, -1, -1), cache, positions, lens, "prefill"
-        )
-        last = logits.gather(1, (lens - 1)[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]
-        roots = self._decide(last[:, None], params)[:, 0]
-        live = list(range(b))
-        outputs: list[list[int]] = [[] for _ in range(b)]
-        for r in range(b):
-            outputs[r].append(int(roots[r]))
-        draft_state = None
-        if self.draft is not None:
-            draft_state = _DraftState(self.draft, b, capacity, self.target.lm_head.weight)
-            draft_state.pending = (feats, lens.clone())
-        while True:
-            done = [r for j, r in enumerate(live) if self._finished(outputs[r], params[r])]
-            if done:
-                keep = [j for j, r in enumerate(live) if r not in done]
-                live = [live[j] for j in keep]
-                if not live:
-                    break
-                sel = torch.tensor(keep, device=dev)
-                cache.select(sel)
-                lens, roots = lens[sel], roots[sel]
-                if draft_state is not None:
-                    draft_state.select(sel)
-            live_params = [params[r] for r in live]
-            if self.draft is None:
-                emitted, nums, lens = self._ar_round(cache, lens, roots, live_params)
-            else:
-                emitted, nums, lens = self._spec_round(cache, draft_state, lens, roots, live_params)
-                for j, r in enumerate(live):
-                    results[r].verify_ct += 1
-                    results[r].accepted_sum += int(nums[j])
-                    results[r].accept_lengths.append(int(nums[j]))
-            roots = emitted.gather(1, (nums - 1)[:, None])[:, 0]
-            for j, r in enumerate(live):
-                outputs[r].extend(emitted[j, : int(nums[j])].tolist())
-            if self.on_round is not None:
-                self.on_round(len(live), sum(len(p) + len(o) for p, o in zip(prompts, outputs, strict=True)))
-        for r in range(b):
-            results[r].output_ids, results[r].finish_reason = self._truncate(outputs[r], params[r])
+        """Run these requests as one batch to completion."""
+        batch = self.new_batch()
+        requests = batch.admit(prompts, params)
+        while len(batch):
+            batch.step()
+        return [r.result for r in requests]
 
     def _finished(self, out: list[int], p: SamplingParams) -> bool:
         if len(out) >= p.max_new_tokens:
@@ -365,6 +307,134 @@ class LabEngine:
         return torch.multinomial(probs.reshape(b * n, v), 1, generator=self.generator).reshape(b, n)
 
 
+@dataclass
+class Request:
+    prompt: list[int]
+    params: SamplingParams
+    result: GenerationResult
+    tag: object = None  # the caller's handle
+    output: list[int] = field(default_factory=list)
+
+
+class RunningBatch:
+    """Requests decoding together, SGLang-style continuous batching: new requests are prefilled and join
+    between rounds; finished ones leave. Rows of every tensor (KV caches, lengths, roots) follow
+    `self.requests`."""
+
+    def __init__(self, engine: LabEngine) -> None:
+        self.engine = engine
+        self.requests: list[Request] = []
+        self.cache: KVCache | None = None
+        self.draft: _DraftState | None = None
+        self.lens = self.roots = torch.zeros(0, dtype=torch.long, device=engine.device)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @torch.no_grad()
+    def admit(self, prompts: list[list[int]], params: list[SamplingParams], tags=None) -> list[Request]:
+        """Prefill new requests (their first token is decided here) and add them to the batch."""
+        eng = self.engine
+        if len(prompts) != len(params):
+            raise ValueError("one SamplingParams per prompt")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        tags = list(tags) if tags is not None else [None] * len(prompts)
+        reqs = [
+            Request(list(p), sp, GenerationResult([], {"type": "length", "length": 0}, len(p)), tag)
+            for p, sp, tag in zip(prompts, params, tags, strict=True)
+        ]
+        eng.stats.prompt_tokens += sum(len(p) for p in prompts)
+        todo = [r for r in reqs if r.params.max_new_tokens > 0]
+        if not todo:
+            return reqs
+        dev = eng.device
+        b = len(todo)
+        lens = torch.tensor([len(r.prompt) for r in todo], device=dev)
+        n = int(lens.max())
+        cache = eng.target.new_cache(b, self._capacity_for(todo))
+        ids = torch.zeros((b, n), dtype=torch.long, device=dev)
+        for i, r in enumerate(todo):
+            ids[i, : len(r.prompt)] = torch.tensor(r.prompt, device=dev)
+        positions = torch.arange(n, device=dev)[None].expand(b, -1)
+        logits, feats = eng._target_forward(
+            ids, positions, causal_mask(n, dev)[None].expand(b, -1, -1), cache, positions, lens, "prefill"
+        )
+        last = logits.gather(1, (lens - 1)[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]
+        roots = eng._decide(last[:, None], [r.params for r in todo])[:, 0]
+        for r, t in zip(todo, roots.tolist(), strict=True):
+            r.output.append(int(t))
+        draft = None
+        if eng.draft is not None:
+            draft = _DraftState(eng.draft, b, cache.capacity, eng.target.lm_head.weight)
+            draft.pending = (feats, lens.clone())
+        self._merge(todo, cache, draft, lens, roots)
+        return reqs
+
+    def _capacity_for(self, reqs: list[Request]) -> int:
+        eng = self.engine
+        per_round = eng.num_draft_tokens + (eng.block_size if eng.draft is not None else 1)
+        return max(len(r.prompt) + r.params.max_new_tokens for r in reqs) + per_round + 2
+
+    def _merge(self, reqs, cache: KVCache, draft: _DraftState | None, lens: Tensor, roots: Tensor) -> None:
+        if self.cache is None or not self.requests:
+            self.requests, self.cache, self.draft, self.lens, self.roots = (
+                list(reqs),
+                cache,
+                draft,
+                lens,
+                roots,
+            )
+            return
+        capacity = max(self.cache.capacity, cache.capacity)
+        self.cache.extend(cache, capacity)
+        if self.draft is not None and draft is not None:
+            self.draft.extend(draft, capacity)
+        self.requests += reqs
+        self.lens, self.roots = torch.cat([self.lens, lens]), torch.cat([self.roots, roots])
+
+    @torch.no_grad()
+    def step(self) -> list[Request]:
+        """One decode round for every running request; returns the requests that finished (removed)."""
+        eng = self.engine
+        done = self._reap()
+        if not self.requests:
+            return done
+        params = [r.params for r in self.requests]
+        if eng.draft is None:
+            emitted, nums, self.lens = eng._ar_round(self.cache, self.lens, self.roots, params)
+        else:
+            emitted, nums, self.lens = eng._spec_round(self.cache, self.draft, self.lens, self.roots, params)
+            for r, k in zip(self.requests, nums.tolist(), strict=True):
+                r.result.verify_ct += 1
+                r.result.accepted_sum += k
+                r.result.accept_lengths.append(k)
+        self.roots = emitted.gather(1, (nums - 1)[:, None])[:, 0]
+        for r, row, k in zip(self.requests, emitted.tolist(), nums.tolist(), strict=True):
+            r.output.extend(row[:k])
+        if eng.on_round is not None:
+            eng.on_round(len(self.requests), sum(len(r.prompt) + len(r.output) for r in self.requests))
+        return done + self._reap()
+
+    def _reap(self) -> list[Request]:
+        eng = self.engine
+        done = [r for r in self.requests if eng._finished(r.output, r.params)]
+        if not done:
+            return []
+        keep = [i for i, r in enumerate(self.requests) if r not in done]
+        for r in done:
+            r.result.output_ids, r.result.finish_reason = eng._truncate(r.output, r.params)
+            eng.stats.generated_tokens += r.result.completion_tokens
+        self.requests = [self.requests[i] for i in keep]
+        if self.requests:
+            sel = torch.tensor(keep, device=eng.device)
+            self.cache.select(sel)
+            self.lens, self.roots = self.lens[sel], self.roots[sel]
+            if self.draft is not None:
+                self.draft.select(sel)
+        return done
+
+
 class _DraftState:
     """The drafter's context K/V cache (projected target features of committed tokens, per layer)."""
 
@@ -383,6 +453,15 @@ class _DraftState:
         self.lens = self.lens[keep]
         if self.pending is not None:
             self.pending = (self.pending[0][keep], self.pending[1][keep])
+
+    def extend(self, other: _DraftState, capacity: int) -> None:
+        """Append other's requests (rows); pending context features are padded to one width."""
+        self.cache.extend(other.cache, capacity)
+        self.lens = torch.cat([self.lens, other.lens])
+        (fa, ca), (fb, cb) = self.pending, other.pending
+        m = max(fa.shape[1], fb.shape[1])
+        pad = lambda f: torch.nn.functional.pad(f, (0, 0, 0, m - f.shape[1]))  # noqa: E731
+        self.pending = (torch.cat([pad(fa), pad(fb)]), torch.cat([ca, cb]))
 
     def propose(self, lens: Tensor, roots: Tensor, embed, block_size: int, mask_id: int) -> Tensor:
         """Append the pending context, run the block [root, MASK x L]; draft logits [b, L, V]."""

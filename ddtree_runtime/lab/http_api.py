@@ -236,6 +236,10 @@ class Handler(BaseHTTPRequestHandler):
         return self._error(404, "Not Found")
 
     def do_POST(self) -> None:
+        with self.lab.request():
+            self._post()
+
+    def _post(self) -> None:
         path = self.path.split("?", 1)[0]
         openai = path.startswith("/v1/")
         if path == "/flush_cache":

@@ -227,6 +227,16 @@ class KVCache:
         self.k = [t.index_select(0, keep) for t in self.k]
         self.v = [t.index_select(0, keep) for t in self.v]
 
+    def extend(self, other: KVCache, capacity: int) -> None:
+        """Append other's requests as new rows; both grow to `capacity` rows per request."""
+
+        def grow(t: Tensor) -> Tensor:
+            return F.pad(t, (0, 0, 0, capacity - t.shape[2]))
+
+        self.k = [torch.cat([grow(a), grow(b)]) for a, b in zip(self.k, other.k, strict=True)]
+        self.v = [torch.cat([grow(a), grow(b)]) for a, b in zip(self.v, other.v, strict=True)]
+        self.capacity = capacity
+
 
 class TargetModel(nn.Module):
     def __init__(self, cfg: TargetConfig) -> None:

@@ -10,6 +10,8 @@ then exits 0.
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import json
 import logging
 import os
@@ -18,6 +20,7 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
 from pathlib import Path
@@ -49,6 +52,7 @@ class Job:
     params: list  # SamplingParams
     done: threading.Event = field(default_factory=threading.Event)
     results: list | None = None
+    remaining: int = 0  # requests of this job still decoding
     error: BaseException | None = None
     created: float = field(default_factory=time.monotonic)
 
@@ -65,6 +69,8 @@ class LabServer:
         self.memory: MemoryPlan | None = None
         self.jobs: queue.Queue[Job] = queue.Queue()
         self.running = 0
+        self.inflight = 0  # generation requests between arrival and answer (see request())
+        self._inflight_lock = threading.Lock()
         self.term = threading.Event()  # SIGTERM/SIGINT: stop taking requests, drain
         self.stop = threading.Event()  # the scheduler's end (after the drain)
         self.metrics = ServingMetrics(sargs["served_model_name"]) if sargs.get("enable_metrics") else None
@@ -72,6 +78,9 @@ class LabServer:
         self._scheduler: threading.Thread | None = None
         self._decode_steps = 0
         self._logged = (0, 0)  # engine (verify_ct, accepted_sum) at the last decode log line
+        self._window_start = time.monotonic()
+        self._window_tokens = 0  # tokens of requests finished since the last decode log line
+        self._held_tokens = 0
 
     # ------------------------------------------------------------------ start-up
 
@@ -179,132 +188,137 @@ class LabServer:
         job.done.wait()
         return job
 
+    @contextlib.contextmanager
+    def request(self) -> Iterator[None]:
+        """Held by an HTTP handler from reading a generation request to writing its answer: the drain
+        waits for these, so no answer is cut off by the exit."""
+        with self._inflight_lock:
+            self.inflight += 1
+        try:
+            yield
+        finally:
+            with self._inflight_lock:
+                self.inflight -= 1
+
     def _schedule(self) -> None:
+        """Continuous batching: between decode rounds, queued jobs join the running batch (whole jobs, up to
+        --max-running-requests requests); finished requests leave and their jobs are answered."""
+        batch = self.engine.new_batch()
         limit = self.sargs["max_running_requests"]
+        backlog: collections.deque[Job] = collections.deque()
         while not self.stop.is_set():
-            try:
-                first = self.jobs.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            time.sleep(0.002)  # let requests that arrived together share the batch
-            batch = [first]
-            while sum(len(j.prompts) for j in batch) < limit:
+            if not len(batch) and not backlog:
                 try:
-                    batch.append(self.jobs.get_nowait())
+                    backlog.append(self.jobs.get(timeout=0.05))
+                except queue.Empty:
+                    continue
+                time.sleep(0.002)  # let requests that arrived together share one prefill
+            while True:
+                try:
+                    backlog.append(self.jobs.get_nowait())
                 except queue.Empty:
                     break
-            self._run(batch)
+            try:
+                self._admit(batch, backlog, limit)
+                finished = batch.step()
+            except Exception as exc:  # a scheduler exception takes the whole server down, as in SGLang
+                faults.die_like_sglang(exc)
+                raise
+            self.running = len(batch)
+            for req in finished:
+                self._finish(req)
+            if not len(batch):
+                self._log_window()  # the batch drained: one decode line for what it did
+            if self.metrics is not None:
+                self.metrics.num_running_reqs.set(self.running)
+                self.metrics.num_queue_reqs.set(len(backlog) + self.jobs.qsize())
 
-    def _run(self, batch: list[Job]) -> None:
-        prompts = [p for j in batch for p in j.prompts]
-        params = [p for j in batch for p in j.params]
-        self.running = len(prompts)
-        if self.metrics is not None:
-            self.metrics.num_running_reqs.set(self.running)
-            self.metrics.num_queue_reqs.set(self.jobs.qsize())
+    def _admit(self, batch, backlog: collections.deque[Job], limit: int) -> None:
+        jobs: list[Job] = []
+        room = limit - len(batch)
+        while backlog and (len(backlog[0].prompts) <= room or not (len(batch) or jobs)):
+            job = backlog.popleft()
+            room -= len(job.prompts)
+            jobs.append(job)
+        if not jobs:
+            return
+        prompts = [p for j in jobs for p in j.prompts]
         log.info(
             "Prefill batch, #new-seq: %d, #new-token: %d, #cached-token: 0, token usage: %.2f, "
-            "#running-req: 0, #queue-req: %d,",
-            len(prompts),
-            sum(map(len, prompts)),
-            self._token_usage(prompts, 0),
-            self.jobs.qsize(),
-        )
-        engine = self.engine
-        before_verify, before_acc = engine.stats.verify_ct, engine.stats.accepted_sum
-        t0 = time.monotonic()
-        try:
-            results = engine.generate(prompts, params)
-        except Exception as exc:  # a scheduler exception takes the whole server down, as in SGLang
-            faults.die_like_sglang(exc)
-            raise
-        seconds = max(time.monotonic() - t0, 1e-9)
-        tokens = sum(r.completion_tokens for r in results)
-        self.last_gen_throughput = tokens / seconds
-        verify = engine.stats.verify_ct - before_verify
-        accept_len = (engine.stats.accepted_sum - before_acc) / verify if verify else None
-        self._log_decode(prompts, results, accept_len)
-        self._observe(prompts, results, verify, accept_len, batch)
-        at = 0
-        for job in batch:
-            job.results = results[at : at + len(job.prompts)]
-            at += len(job.prompts)
-            job.done.set()
-        self.running = 0
+            "#running-req: %d, #queue-req: %d,",
+            len(prompts), sum(map(len, prompts)), self._token_usage(batch), len(batch), len(backlog),
+        )  # fmt: skip
+        for job in jobs:
+            job.results = [None] * len(job.prompts)
+            job.remaining = len(job.prompts)
+            reqs = batch.admit(job.prompts, job.params, [(job, i) for i in range(len(job.prompts))])
+            for req in reqs:
+                if req.params.max_new_tokens == 0:  # never joins the batch: answered at once
+                    self._finish(req)
+
+    def _finish(self, req) -> None:
+        job, i = req.tag
+        job.results[i] = req.result
+        job.remaining -= 1
+        self._window_tokens += req.result.completion_tokens
+        if job.remaining:
+            return
         if self.metrics is not None:
-            self.metrics.num_running_reqs.set(0)
+            m = self.metrics
+            m.prompt_tokens.inc(sum(map(len, job.prompts)))
+            m.generation_tokens.inc(sum(r.completion_tokens for r in job.results))
+            m.num_requests.inc(len(job.results))
+            m.e2e_latency.observe(time.monotonic() - job.created)
+        job.done.set()
 
     def _on_round(self, running: int, tokens: int) -> None:
         """SGLang logs a decode line every 40 decode steps; so does the lab, inside long batches."""
         self._decode_steps += 1
-        if self._decode_steps % DECODE_LOG_INTERVAL:
-            return
+        self._held_tokens = tokens
+        if self._decode_steps % DECODE_LOG_INTERVAL == 0:
+            self._log_window(running)
+
+    def _log_window(self, running: int = 0) -> None:
+        """One "Decode batch" line (and the spec metrics) for the rounds since the last one."""
         stats = self.engine.stats
         verify, accepted = stats.verify_ct - self._logged[0], stats.accepted_sum - self._logged[1]
-        self._logged = (stats.verify_ct, stats.accepted_sum)
+        if stats.verify_ct == self._logged[0] and not self._window_tokens:
+            return
+        now = time.monotonic()
+        self.last_gen_throughput = self._window_tokens / max(now - self._window_start, 1e-9)
+        self._logged, self._window_start, self._window_tokens = (stats.verify_ct, stats.accepted_sum), now, 0
         spec = ""
+        num_draft = self.sargs["speculative_num_draft_tokens"] or 2
         if verify:
-            rate = (accepted / verify - 1) / max(1, (self.sargs["speculative_num_draft_tokens"] or 2) - 1)
-            spec = f"accept len: {accepted / verify:.2f}, accept rate: {rate:.2f}, "
-        cap = self.memory.max_total_num_tokens if self.memory else 1
+            accept_len = accepted / verify
+            rate = (accept_len - 1) / max(1, num_draft - 1)
+            spec = f"accept len: {accept_len:.2f}, accept rate: {rate:.2f}, "
+            if self.metrics is not None:
+                self.metrics.spec_verify_calls.inc(verify)
+                self.metrics.spec_accept_length.set(accept_len)
+                self.metrics.spec_accept_rate.set(rate)
+        if self.metrics is not None:
+            self.metrics.gen_throughput.set(self.last_gen_throughput)
+            width = stats.observed_hidden_width
+            if width is not None:
+                self.metrics.observed_hidden_width.set(width)
         log.info(
             "Decode batch, #running-req: %d, #token: %d, token usage: %.2f, %scuda graph: %s, "
             "gen throughput (token/s): %.2f, #queue-req: %d,",
-            running,
-            tokens,
-            tokens / cap,
-            spec,
-            self._cuda_graph,
-            self.last_gen_throughput,
-            self.jobs.qsize(),
-        )
+            running, self._held_tokens, self._held_tokens / self._capacity, spec, self._cuda_graph,
+            self.last_gen_throughput, self.jobs.qsize(),
+        )  # fmt: skip
+
+    @property
+    def _capacity(self) -> int:
+        return self.memory.max_total_num_tokens if self.memory else 1
 
     @property
     def _cuda_graph(self) -> bool:
         return self.device == "cuda" and not self.sargs["disable_cuda_graph"]
 
-    def _token_usage(self, prompts, generated: int) -> float:
-        cap = self.memory.max_total_num_tokens if self.memory else 1
-        return (sum(map(len, prompts)) + generated) / cap
-
-    def _log_decode(self, prompts, results, accept_len: float | None) -> None:
-        tokens = sum(r.completion_tokens for r in results)
-        spec = ""
-        if accept_len is not None:
-            rate = (accept_len - 1) / max(1, (self.sargs["speculative_num_draft_tokens"] or 2) - 1)
-            spec = f"accept len: {accept_len:.2f}, accept rate: {rate:.2f}, "
-        log.info(
-            "Decode batch, #running-req: %d, #token: %d, token usage: %.2f, %scuda graph: %s, "
-            "gen throughput (token/s): %.2f, #queue-req: %d,",
-            len(prompts),
-            sum(map(len, prompts)) + tokens,
-            self._token_usage(prompts, tokens),
-            spec,
-            self._cuda_graph,
-            self.last_gen_throughput,
-            self.jobs.qsize(),
-        )
-
-    def _observe(self, prompts, results, verify: int, accept_len: float | None, batch) -> None:
-        m = self.metrics
-        if m is None:
-            return
-        m.prompt_tokens.inc(sum(map(len, prompts)))
-        m.generation_tokens.inc(sum(r.completion_tokens for r in results))
-        m.num_requests.inc(len(results))
-        m.gen_throughput.set(self.last_gen_throughput)
-        m.token_usage.set(0.0)
-        now = time.monotonic()
-        for job in batch:
-            m.e2e_latency.observe(now - job.created)
-        if verify:
-            m.spec_verify_calls.inc(verify)
-            m.spec_accept_length.set(accept_len)
-            budget = max(1, (self.sargs["speculative_num_draft_tokens"] or 2) - 1)
-            m.spec_accept_rate.set((accept_len - 1) / budget)
-        width = self.engine.stats.observed_hidden_width
-        if width is not None:
-            m.observed_hidden_width.set(width)
+    def _token_usage(self, batch) -> float:
+        return sum(len(r.prompt) + len(r.output) for r in batch.requests) / self._capacity
 
     # ------------------------------------------------------------------ views
 
@@ -480,8 +494,8 @@ def serve(args: argparse.Namespace) -> int:
 
 def _drain(lab: LabServer, httpd: ThreadingHTTPServer) -> int:
     lab.status = "draining"
-    while lab.running or not lab.jobs.empty():
-        log.info("Gracefully exiting... Remaining number of requests %d.", lab.running + lab.jobs.qsize())
+    while lab.inflight or lab.running or not lab.jobs.empty():
+        log.info("Gracefully exiting... Remaining number of requests %d.", max(lab.inflight, lab.running))
         time.sleep(0.2)
     lab.stop.set()
     httpd.shutdown()

@@ -216,3 +216,21 @@ def test_greedy_request_stays_exact_next_to_sampled_ones(engines, greedy) -> Non
     out = engine.generate(prompts, params)
     assert out[1].output_ids == greedy["AR"][0][1]
     assert out[0].output_ids != greedy["AR"][0][0]
+
+
+def test_requests_joining_a_running_batch_decode_exactly(engines, greedy) -> None:
+    """Continuous batching: a request admitted while others are mid-generation (different lengths and
+    caches merged between rounds) still yields exactly its greedy continuation, and so do the others."""
+    engine = engines["DDTREE16"]
+    enc = engine.tokenizer.encode
+    batch = engine.new_batch()
+    first = batch.admit([enc(LAB_PROMPTS[0]), enc(LAB_PROMPTS[3])], [SamplingParams(max_new_tokens=NEW)] * 2)
+    for _ in range(3):
+        batch.step()
+    late = batch.admit([enc(LAB_PROMPTS[5])], [SamplingParams(max_new_tokens=NEW)])
+    finished = []
+    while len(batch):
+        finished += batch.step()
+    assert {id(r) for r in finished} == {id(r) for r in first + late}
+    ar = greedy["AR"][0]
+    assert [r.result.output_ids for r in first + late] == [ar[0], ar[3], ar[5]]

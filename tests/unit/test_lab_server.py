@@ -139,6 +139,30 @@ def test_concurrent_requests_are_batched_and_answered_correctly(server: LabServe
     assert any(int(line.split("#new-seq: ")[1].split(",")[0]) > 1 for line in batched)
 
 
+def test_a_short_request_joins_a_running_one(server: LabServerProcess, expected) -> None:
+    """Continuous batching: a request arriving mid-generation is prefilled between rounds and answered
+    while the long one is still decoding (and both answers are exact)."""
+    got: dict = {}
+    long_body = {"text": "the fox", "sampling_params": {"max_new_tokens": 1500}}
+    long = threading.Thread(target=lambda: got.update(long=_json(http(server.url + "/generate", long_body))))
+    before = server.log.count("Prefill batch")
+    long.start()
+    deadline = time.monotonic() + 30
+    while server.log.count("Prefill batch") == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    prompt = LAB_PROMPTS[1]
+    status, out = _json(
+        http(server.url + "/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 24}})
+    )
+    still_running = long.is_alive()
+    long.join(120)
+    assert status == 200 and out["output_ids"] == expected[prompt]
+    assert still_running, "the short request waited for the long one"
+    assert got["long"][0] == 200 and got["long"][1]["meta_info"]["completion_tokens"] == 1500
+    joined = [line for line in server.log.splitlines() if "Prefill batch" in line][before:]
+    assert any("#running-req: 1," in line for line in joined)
+
+
 def test_chat_completions_is_openai_shaped(server: LabServerProcess) -> None:
     body = {
         "model": "x",
