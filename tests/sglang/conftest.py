@@ -25,7 +25,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     here = Path(__file__).parent
     for item in items:
-        if here in Path(str(item.fspath)).parents:
+        if here in Path(str(item.fspath)).parents and item.get_closest_marker("sglang") is not None:
             item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
 
 
