@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from ddtree_runtime.lab.server import Job, LabServer
 
 log = logging.getLogger("ddtree.lab")
+HEALTH_CHECK_TIMEOUT_S = 20  # SGLANG_HEALTH_CHECK_TIMEOUT's default
 
 
 class BadRequest(ValueError):
@@ -189,8 +190,9 @@ class Handler(BaseHTTPRequestHandler):
             if path == "/health_generate" and lab.running == 0 and lab.jobs.empty():
                 from ddtree_runtime.lab.engine import SamplingParams
 
-                job = lab.submit([[0]], [SamplingParams(max_new_tokens=1)])
-                if job.error is not None:
+                # SGLang: one greedy token of input_ids [0]; 503 if none within 20 s
+                job = lab.submit([[0]], [SamplingParams(max_new_tokens=1)], timeout=HEALTH_CHECK_TIMEOUT_S)
+                if not job.done.is_set():
                     return self._send(503, b"", "text/plain")
             return self._send(200, b"", "text/plain")
         if path in ("/server_info", "/get_server_info"):
@@ -261,8 +263,6 @@ class Handler(BaseHTTPRequestHandler):
         except BadRequest as exc:
             return self._error(400, str(exc), openai=openai)
         job = lab.submit(prompts, params)
-        if job.error is not None:
-            return self._error(500, str(job.error), openai=openai)
         if path == "/generate":
             items = [
                 lab._generate_item(job, i, body.get("rid") if not batched else None)

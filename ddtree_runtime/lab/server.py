@@ -53,7 +53,6 @@ class Job:
     done: threading.Event = field(default_factory=threading.Event)
     results: list | None = None
     remaining: int = 0  # requests of this job still decoding
-    error: BaseException | None = None
     created: float = field(default_factory=time.monotonic)
 
 
@@ -165,8 +164,6 @@ class LabServer:
             from ddtree_runtime.lab.engine import SamplingParams
 
             job = self.submit([self.engine.tokenizer.encode(WARMUP_TEXT)], [SamplingParams(max_new_tokens=8)])
-            if job.error is not None:
-                raise job.error
             log.info(
                 "End of prefill warmup with status 200, resp: %s", json.dumps(self._generate_item(job, 0))
             )
@@ -182,10 +179,11 @@ class LabServer:
 
     # ------------------------------------------------------------------ scheduling
 
-    def submit(self, prompts: list[list[int]], params: list) -> Job:
+    def submit(self, prompts: list[list[int]], params: list, *, timeout: float | None = None) -> Job:
+        """Queue a job for the scheduler and wait for its answer (job.done is unset after a timeout)."""
         job = Job(prompts, params)
         self.jobs.put(job)
-        job.done.wait()
+        job.done.wait(timeout)
         return job
 
     @contextlib.contextmanager
