@@ -154,15 +154,17 @@ def resolve_server_args(server_args: Any) -> None:
     budget = args.budget if args.budget is not None else block - 1
     check_hybrid(str(cfg.model_path), _hybrid_kind(record), allow_hybrid=args.allow_hybrid)
     contract = _check_contract(str(cfg.model_path), str(cfg.speculative_draft_model_path))
-    if not cfg.disable_overlap_schedule:
-        logger.info("DDTREE runs without the overlap scheduler (tree build and walk are synchronous).")
-    declare_resolution(
-        record,
-        RESOLUTION_SOURCE,
-        speculative_dflash_block_size=block,
-        speculative_num_draft_tokens=max(budget + 1, block),
-        disable_overlap_schedule=True,
-    )
+    sizes = {
+        "speculative_dflash_block_size": block,
+        "speculative_num_draft_tokens": max(budget + 1, block),
+    }
+    is_chain = args.topk_cap == 1 and budget == block - 1
+    if not is_chain and not cfg.disable_overlap_schedule:
+        # The chain case is DFlash's own decode (overlap-capable); a tree's build and walk are
+        # synchronous with the verify result.
+        logger.info("DDTREE runs tree configurations without the overlap scheduler.")
+        sizes["disable_overlap_schedule"] = True
+    declare_resolution(record, RESOLUTION_SOURCE, **sizes)
     resolved = {
         "algorithm": ALGORITHM,
         "budget": budget,
@@ -181,11 +183,3 @@ def resolve_server_args(server_args: Any) -> None:
 
 def resolved_settings(record: Any) -> dict[str, Any] | None:
     return getattr(record, RESOLVED_ATTR, None) if record is not None else None
-
-
-def spec_class() -> type[DDTreeSpecAlgo]:
-    return DDTreeSpecAlgo
-
-
-def is_ddtree(algo: Any) -> bool:
-    return isinstance(algo, DDTreeSpecAlgo) or (isinstance(algo, str) and algo.upper() == ALGORITHM)

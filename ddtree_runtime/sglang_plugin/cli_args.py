@@ -94,7 +94,3 @@ def ddtree_args_of(record: Any) -> DDTreeArgs:
     """The DDTREE flags stored on a ServerArgs record (defaults when none were parsed)."""
     raw = getattr(record, RECORD_ATTR, None) if record is not None else None
     return DDTreeArgs(**raw) if raw else DDTreeArgs()
-
-
-def uses_ddtree_flags(args: DDTreeArgs) -> bool:
-    return args != DDTreeArgs()

@@ -131,3 +131,11 @@ def test_unknown_without_the_plugin_is_sglangs_own_error(pair):
 
     with pytest.raises(ValueError, match="Unknown speculative algorithm name: DDTREE2"):
         SpeculativeAlgorithm.from_string("DDTREE2")
+
+
+def test_chain_configuration_keeps_dflashs_overlap_scheduler(sglang_plugins, pair):
+    _, cfg = resolve(
+        ddtree_argv(*pair, "--speculative-ddtree-topk-cap", "1", "--speculative-ddtree-budget", "15")
+    )
+    assert cfg.disable_overlap_schedule is False
+    assert cfg.speculative_num_draft_tokens == 16 == cfg.speculative_dflash_block_size
