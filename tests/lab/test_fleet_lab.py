@@ -141,3 +141,28 @@ def test_unknown_host_key_is_refused_under_strict_checking(host: fleet.Target, t
     (row,) = json.loads(res.stdout)["rows"]
     assert row["reachable"] is False and "host key unknown" in row["error"]
     assert empty.read_text() == ""  # nothing was added behind the operator's back
+
+
+def test_status_of_a_deployed_service(lab, wheelhouse, inventory: str, host: fleet.Target):
+    # The product's deploy (a no-op when this checkout is already live there, as after the canary tests).
+    deploy = lab.ansible_playbook("deploy.yml", "-l", host.name)
+    assert deploy.returncode == 0, deploy.stdout[-4000:] + deploy.stderr[-2000:]
+    state = json.loads(_sh(host, "cat /var/lib/ddtree/state/sglang-qwen.json"))
+
+    res = _cli("fleet", "status", "-i", inventory, "--json")
+    assert res.returncode == 0, res.stderr
+    rows = {r["host"]: r for r in json.loads(res.stdout)["rows"]}
+    assert set(rows) == set(lab.hosts)  # every lab host has its row
+    row = rows[host.name]
+    assert row["active"] == "active (running)" and row["uptime_seconds"] > 0
+    assert (row["profile"], row["release"]) == (state["profile"], state["release"])
+    assert row["probe_ok"] is True and row["accept_length"] >= 1.2  # the deploy's live probe
+    table = _cli("fleet", "status", "-i", inventory).stdout
+    print(f"\n{table}")  # the status table from the lab, for the closing note
+
+    # the same host's metrics, from the release the unit runs
+    text = _sh(host, f"{state['release_dir']}/bin/ddtree metrics show")
+    assert 'ddtree_probe_success{probe="live",unit="sglang-qwen"} 1.0' in text
+    info = f'profile="{state["profile"]}",release="{state["release"]}",unit="sglang-qwen"'
+    assert f"ddtree_deploy_info{{{info}}} 1.0" in text
+    assert 'ddtree_unit_active{unit="sglang-qwen"} 1.0' in text
