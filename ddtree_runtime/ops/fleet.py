@@ -44,6 +44,7 @@ class Target:
     known_hosts: tuple[str, ...] = ()
     strict: str = "yes"            # OpenSSH StrictHostKeyChecking: yes | accept-new | no
     timeout: float = 10.0
+    become: bool = False           # ansible_become for a non-root user: commands go through `sudo -n`
 
 
 def _ssh_options(*arg_strings: str | None) -> dict[str, str]:
@@ -118,6 +119,7 @@ def load_targets(inventory: str, limit: str | None = None, *, timeout: float = 1
             known_hosts=known,
             strict="no" if strict in ("no", "off", "false") else strict,
             timeout=timeout,
+            become=_truthy(var("ansible_become", default=False)),
         ))
     return targets
 
@@ -174,6 +176,8 @@ def _why_unreachable(t: Target, exc: BaseException) -> str:
 
 def run_remote(t: Target, command: str, stdin_text: str | None = None) -> tuple[int, str, str]:
     """Run one command on the target; raises on connection problems."""
+    if t.become and t.user != "root":
+        command = f"sudo -n {command}"  # journal and unit state as root, never prompting
     client = _connect(t)
     try:
         stdin, stdout, stderr = client.exec_command(command, timeout=max(t.timeout, 60))

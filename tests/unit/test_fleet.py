@@ -39,6 +39,7 @@ ansible_ssh_common_args: >-
   -o UserKnownHostsFile={{ keydir }}/known_hosts -o StrictHostKeyChecking=accept-new
 """)
     (inv / "host_vars" / "ct131.yml").write_text("ansible_host_key_checking: false\n")
+    (inv / "host_vars" / "ct130.yml").write_text("ansible_become: true\n")
     return inv
 
 
@@ -49,8 +50,13 @@ def test_inventory_connection_vars_are_templated_and_honoured(inventory: Path):
     assert (a.address, a.port, a.user) == ("192.0.2.129", 22, "deploy")
     assert a.key_file == f"{inventory}/keys/id_ed25519"
     assert a.known_hosts == (f"{inventory}/keys/known_hosts",) and a.strict == "accept-new"
-    assert (b.port, b.timeout) == (2222, 3)
+    assert (b.port, b.timeout, b.become, a.become) == (2222, 3, True, False)
     assert c.strict == "no" and c.user == "root" and c.key_file is None  # host_key_checking: false
+
+
+def test_production_inventory_refuses_unknown_host_keys():
+    targets = load_targets(str(Path(__file__).resolve().parents[2] / "inventories" / "production"))
+    assert targets and all(t.strict == "yes" and t.known_hosts == () for t in targets)
 
 
 def test_limit_and_bad_inventories(inventory: Path, tmp_path: Path):
