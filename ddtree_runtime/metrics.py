@@ -251,6 +251,10 @@ def _listen(value: str) -> tuple[str, int]:
 
 def _run(args: argparse.Namespace) -> int:
     systemd = not args.no_systemd
+    if args.metrics_command == "textfile" and not args.textfile_dir:
+        print("ddtree metrics textfile: pass --textfile-dir DIR (node_exporter's "
+              "--collector.textfile.directory)", file=sys.stderr)
+        return 2
     try:
         if args.metrics_command == "record-rollout":
             record_rollout(args.state_dir, args.unit, args.outcome, release=args.release,

@@ -68,8 +68,18 @@ def _truthy(value: Any) -> bool:
     return str(value).strip().lower() in ("1", "true", "yes", "on")
 
 
+def _controller_only() -> None:
+    for module in ("paramiko", "ansible"):
+        try:
+            __import__(module)
+        except ModuleNotFoundError as exc:
+            raise FleetError(f"{module} is not installed: fleet runs on the controller, where "
+                             "`pip install 'ddtree-runtime[ops]'` brings paramiko and ansible-core") from exc
+
+
 def load_targets(inventory: str, limit: str | None = None, *, timeout: float = 10.0) -> list[Target]:
     """Hosts of the inventory (after --limit) with their templated connection variables."""
+    _controller_only()
     from ansible.errors import AnsibleError
     from ansible.inventory.manager import InventoryManager
     from ansible.parsing.dataloader import DataLoader

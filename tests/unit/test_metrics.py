@@ -110,6 +110,11 @@ def test_cli_textfile_is_written_atomically_and_parses(host: Path, tmp_path: Pat
 
     res = _cli("record-probe", "--state-dir", str(host), "--unit", "x", "--report", str(prom))
     assert res.returncode == 2 and "not a probe report" in res.stderr
+    res = _cli("textfile", "--state-dir", str(host))
+    assert res.returncode == 2 and "--textfile-dir" in res.stderr
+    res = _cli("textfile", "--state-dir", str(host), "--textfile-dir", str(textdir), "--no-systemd")
+    assert res.returncode == 0
+    assert _samples(prom.read_text())[("ddtree_budget", (("unit", "sglang-qwen"),))] == 16
     res = _cli("serve", "--listen", "nope")
     assert res.returncode == 2 and "ADDRESS:PORT" in res.stderr
 
