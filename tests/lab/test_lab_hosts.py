@@ -6,7 +6,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import signal
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -14,7 +17,7 @@ import pytest
 
 from ddtree_runtime.ops import lab_net, lab_nspawn
 from ddtree_runtime.ops.lab_spec import WHEELHOUSE_MOUNT, Lab
-from tests.lab.conftest import LabHandle, ddtree, require_lab
+from tests.lab.conftest import REPO, LabHandle, ddtree, require_lab
 
 pytestmark = pytest.mark.lab
 
@@ -163,3 +166,46 @@ def test_down_removes_what_up_made_and_nothing_else(lab: LabHandle) -> None:
     finally:
         lab_net.delete_netns(neighbour)
         ddtree("lab", "down", "--name", spec.name)
+
+
+def _ddtree_from(repo: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "DDTREE_REPO": str(repo)}
+    return subprocess.run(
+        [sys.executable, "-m", "ddtree_runtime", *args], cwd=repo, env=env,
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+
+
+def test_a_lab_of_another_checkout_is_refused_while_live_and_taken_over_once_stopped(
+    lab: LabHandle, tmp_path: Path
+) -> None:
+    # CI runs in a fresh clone after a session whose machines were killed: their namespaces and bridge stay.
+    other = tmp_path / "clone"
+    (other / "inventories/lab").mkdir(parents=True)
+    shutil.copy(REPO / "pyproject.toml", other)
+    spec = Lab(f"{lab.name[:12]}-co", 1)
+    ddtree("lab", "down", "--name", spec.name)
+    try:
+        assert _ddtree_from(other, "lab", "up", "--name", spec.name, "--hosts", "1").returncode == 0
+        live = ddtree("lab", "up", "--name", spec.name, "--hosts", "1")
+        assert live.returncode == 1
+        assert f"belongs to 'ddtree-lab:{spec.name}:{other}" in live.stderr
+        refused = ddtree("lab", "down", "--name", spec.name)
+        assert refused.returncode == 1 and "bring it down from there" in refused.stderr
+        assert _status_from(other, spec.name)["up"] is True
+
+        for pid in lab_nspawn.nspawn_pids(spec.hosts[0].machine):
+            os.kill(pid, signal.SIGKILL)  # what the end of a session does to it
+        taken = ddtree("lab", "up", "--name", spec.name, "--hosts", "1")
+        assert taken.returncode == 0, taken.stderr
+        assert "removing what a stopped lab of the same name left" in taken.stderr
+        assert _status(spec.name)["up"] is True
+    finally:
+        ddtree("lab", "down", "--name", spec.name)
+        _ddtree_from(other, "lab", "down", "--name", spec.name)  # unmounts the clone's stale overlay
+    assert not lab_nspawn.mounts_under(other)
+    assert not any(_artefacts(spec).values())
+
+
+def _status_from(repo: Path, name: str) -> dict:
+    return json.loads(_ddtree_from(repo, "lab", "status", "--name", name, "--json").stdout)
