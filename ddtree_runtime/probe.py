@@ -319,15 +319,22 @@ def live_probe(url: str, *, timeout: float = 600, min_accept_length: float | Non
 # ---------------------------------------------------------------------------- output
 
 
-def attach_diagnosis(report: Report, unit: str) -> None:
+_VAGUE_CAUSES = (None, "not_ready", "unreachable", "generation_failed")
+
+
+def attach_diagnosis(report: Report, unit: str, *, settle_s: float = 3.0) -> None:
     """On a failed live probe, name the cause from the unit's journal (when we are on the host)."""
     try:
         findings = diagnose.scan(diagnose.read_unit_journal(unit))
+        if not findings and report.cause in _VAGUE_CAUSES and settle_s > 0:
+            # A server that died under our request logs its traceback a moment later.
+            time.sleep(settle_s)
+            findings = diagnose.scan(diagnose.read_unit_journal(unit))
     except Exception as exc:  # no journal here is not a probe failure
         report.figures["diagnosis"] = f"journal of {unit} unreadable: {exc}"
         return
     report.figures["diagnosis"] = [f.to_dict() for f in findings]
-    if findings and report.cause in (None, "not_ready", "unreachable", "generation_failed"):
+    if findings and report.cause in _VAGUE_CAUSES:
         report.cause = findings[0].cause
         report.message += f"; journal of {unit}: {findings[0].summary}. Fix: {findings[0].fix}"
 

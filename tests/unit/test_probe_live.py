@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
 
 import pytest
 
-from ddtree_runtime.probe import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_NOT_READY, EXIT_PASS, live_probe
+from ddtree_runtime.probe import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_NOT_READY,
+    EXIT_PASS,
+    attach_diagnosis,
+    live_probe,
+)
 from tests.unit.fake_sglang import FakeSGLang, Scenario
 
 REPORT_KEYS = {"probe", "ok", "cause", "message", "checks", "figures", "handshake", "time"}
@@ -144,3 +152,23 @@ def test_cli_json_report_file_and_exit_codes(tmp_path):
     assert res.returncode == EXIT_BAD_INPUT and "not an http(s) URL" in res.stdout
     res = _cli("--url", "http://127.0.0.1:9", "--expect", "oops")
     assert res.returncode == EXIT_BAD_INPUT and "KEY=VALUE" in res.stdout
+
+
+def test_unit_journal_names_a_vague_failure(tmp_path, monkeypatch):
+    # journalctl's output for a unit that died at start-up; the lab host tests read the real journal.
+    fake = tmp_path / "journalctl"
+    fake.write_text("#!/bin/sh\necho 'sglang[9]: RuntimeError: Not enough memory. Please try to increase "
+                    "--mem-fraction-static. Current value: mem_fraction_static=0.2'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    report, _ = _probe(Scenario(not_ready_polls=10**6), timeout=0.3)
+    assert report.cause == "not_ready"
+    attach_diagnosis(report, "sglang-qwen", settle_s=0)
+    assert report.cause == "mem_fraction_too_small" and report.exit_code == EXIT_NOT_READY
+    assert "mem_fraction_static=0.2" in report.message and "Fix: raise mem-fraction-static" in report.message
+    assert report.figures["diagnosis"][0]["cause"] == "mem_fraction_too_small"
+
+    fake.write_text("#!/bin/sh\necho 'all quiet'\n")
+    report, _ = _probe(Scenario(not_ready_polls=10**6), timeout=0.3)
+    attach_diagnosis(report, "sglang-qwen", settle_s=0)
+    assert report.cause == "not_ready" and report.figures["diagnosis"] == []
