@@ -7,15 +7,10 @@ decoding and a short context. The thresholds' arithmetic is checked on hand-made
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,35 +18,16 @@ import pytest
 
 from ddtree_runtime import canary
 from ddtree_runtime.canary import Answer, CanaryInputError, Side, SideUnavailable, Thresholds
+from tests.unit._lab import LabServerProcess, free_port, lab_models
 
-REPO = Path(__file__).resolve().parents[2]
-LAB = REPO / "ddtree_runtime" / "lab"
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 
 # ---------------------------------------------------------------------------- fixtures
 
 
-@pytest.fixture(scope="session")
-def lab_models() -> Path:
-    """`ddtree lab make-models` output, cached by the content of the code that makes the models."""
-    digest = hashlib.sha256()
-    for name in ("make.py", "models.py", "language.py", "tokenizer.py"):
-        digest.update((LAB / name).read_bytes())
-    cache = REPO / ".cache" / "lab-models" / digest.hexdigest()[:16]
-    if not (cache / "target" / "config.json").is_file():
-        tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        proc = subprocess.run([sys.executable, "-m", "ddtree_runtime", "lab", "make-models", str(tmp)],
-                              capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        shutil.rmtree(cache, ignore_errors=True)
-        tmp.rename(cache)
-    return cache
-
-
 def _changed_target(models: Path, out: Path) -> Path:
-    """The lab target with its output head perturbed: another model, other greedy tokens."""
+    """The lab target with its weight matrices perturbed: another model, other greedy tokens."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -66,58 +42,29 @@ def _changed_target(models: Path, out: Path) -> Path:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ready(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health_generate", timeout=5) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module")
-def servers(lab_models: Path, tmp_path_factory) -> Iterator[dict[str, str]]:
-    changed = _changed_target(lab_models, tmp_path_factory.mktemp("changed") / "target")
-    draft = str(lab_models / "draft")
+def servers(tmp_path_factory) -> Iterator[dict[str, str]]:
+    models = lab_models()
+    changed = _changed_target(models, tmp_path_factory.mktemp("changed") / "target")
+    draft = ["--speculative-draft-model-path", str(models / "draft")]
     spec = {
-        "live": [str(lab_models / "target"), "DDTREE", "--speculative-ddtree-budget", "16"],
-        "shadow": [str(lab_models / "target"), "DDTREE", "--speculative-ddtree-budget", "8"],
-        "changed": [str(changed), "DDTREE", "--speculative-ddtree-budget", "16"],
-        "plain": [str(lab_models / "target"), "NONE", "--context-length", "48"],
+        "live": [str(models / "target"), "DDTREE", *draft, "--speculative-ddtree-budget", "16"],
+        "shadow": [str(models / "target"), "DDTREE", *draft, "--speculative-ddtree-budget", "8"],
+        "changed": [str(changed), "DDTREE", *draft, "--speculative-ddtree-budget", "16"],
+        "plain": [str(models / "target"), "NONE", "--context-length", "48"],
     }
-    procs, urls = [], {}
     logs = tmp_path_factory.mktemp("logs")
+    procs = {}
+    for name, (model, algo, *flags) in spec.items():
+        argv = ["--model-path", model, "--speculative-algorithm", algo, "--device", "cpu", *flags]
+        procs[name] = LabServerProcess(argv, tmp=logs)
     try:
-        for name, (model, algo, *flags) in spec.items():
-            port = _free_port()
-            argv = [sys.executable, "-m", "ddtree_runtime", "lab", "serve", "--model-path", model,
-                    "--speculative-algorithm", algo, "--port", str(port), "--device", "cpu", *flags]
-            if algo != "NONE":
-                argv += ["--speculative-draft-model-path", draft]
-            log = open(logs / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
-            procs.append((subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT), log))
-            urls[name] = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        for name, url in urls.items():
-            while not _ready(url):
-                assert time.monotonic() < deadline, (logs / f"{name}.log").read_text()[-2000:]
-                assert all(p.poll() is None for p, _ in procs), (logs / f"{name}.log").read_text()[-2000:]
-                time.sleep(0.5)
-        yield urls
+        for proc in procs.values():
+            proc.wait_ready(timeout=300)
+        yield {name: proc.url for name, proc in procs.items()}
     finally:
-        for proc, _log in procs:
-            proc.terminate()
-        for proc, log in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            log.close()
+        for proc in procs.values():
+            proc.stop()
 
 
 def _compare(urls: dict[str, str], shadow: str, **kw) -> canary.CanaryReport:
@@ -222,7 +169,7 @@ def test_cli_json_report_file_and_exit_codes(servers, tmp_path):
     assert bad.returncode == 1 and bad.stdout.startswith("canary ABORT: tokens:")
     assert "live" in bad.stdout and "shadow" in bad.stdout and "accept length" in bad.stdout
 
-    gone = subprocess.run([*base, "--shadow", f"http://127.0.0.1:{_free_port()}", "--ready-timeout", "1",
+    gone = subprocess.run([*base, "--shadow", f"http://127.0.0.1:{free_port()}", "--ready-timeout", "1",
                            "--json"], capture_output=True, text=True, timeout=60)
     assert gone.returncode == 3 and json.loads(gone.stdout)["reason"].startswith("not ready: shadow")
 
@@ -279,4 +226,4 @@ def test_bad_urls_and_unreachable_sides():
     with pytest.raises(CanaryInputError, match="not an http"):
         canary.compare("127.0.0.1:30000", "http://127.0.0.1:2")
     with pytest.raises(SideUnavailable, match=r"^live http://127\.0\.0\.1"):
-        canary.compare(f"http://127.0.0.1:{_free_port()}", "http://127.0.0.1:2", ready_timeout=0.5)
+        canary.compare(f"http://127.0.0.1:{free_port()}", "http://127.0.0.1:2", ready_timeout=0.5)
