@@ -86,7 +86,7 @@ def up(
         _write_manifest(lab, rootfs)
         _ensure_key(lab)
         wheelhouse_dir().mkdir(parents=True, exist_ok=True)
-        _take_over_stale(lab, progress)
+        _take_over_stale(lab, progress, any_name=True)
         lab_net.ensure_bridge(lab.bridge, f"{lab.gateway}/24", lab.bridge_alias)
         booting = []
         for host in lab.hosts:
@@ -106,17 +106,32 @@ def up(
     return lab
 
 
-def _take_over_stale(lab: Lab, progress: Progress) -> None:
-    """A lab of the same name left by another checkout whose machines are gone (a CI clone after a
-    session, a controller reboot) keeps its bridge and namespaces: remove them so this one can start.
-    A live one, or another lab on the same subnet, is refused by ensure_bridge."""
-    owner = lab_net.link_alias(lab.bridge)
-    if owner is None or owner == lab.bridge_alias or not owner.startswith(f"ddtree-lab:{lab.name}:"):
+def _bridge_owner(lab: Lab) -> str | None:
+    """Name of the lab whose alias is on this lab's bridge, when it is another lab's or another checkout's."""
+    alias = lab_net.link_alias(lab.bridge)
+    if alias is None or alias == lab.bridge_alias or not alias.startswith("ddtree-lab:"):
+        return None
+    return alias.split(":")[1]
+
+
+def _take_over_stale(lab: Lab, progress: Progress, *, any_name: bool) -> None:
+    """A lab left on this subnet whose machines are gone (a CI clone after a session ended, a lab whose
+    name hashes to the same subnet) keeps its bridge and namespaces: remove those so this lab can start.
+    A live one is left alone (ensure_bridge then refuses with the owner's name)."""
+    owner = _bridge_owner(lab)
+    if owner is None or (owner != lab.name and not any_name):
         return
-    stale = _known_hosts_of(lab)
+    try:
+        stale_lab = Lab(owner, 1)
+    except LabSpecError:
+        return
+    stale = _known_hosts_of(stale_lab)
     if any(lab_nspawn.nspawn_pids(h.machine) for h in stale):
         return
-    progress(f"lab {lab.name!r}: removing what a stopped lab of the same name left ({owner})")
+    progress(
+        f"lab {lab.name!r}: removing the bridge and namespaces a stopped lab {owner!r} left on this subnet "
+        f"({lab_net.link_alias(lab.bridge)})"
+    )
     for host in stale:
         lab_nspawn.stop(host)
         lab_net.delete_netns(host.netns)
@@ -244,7 +259,7 @@ def down(name: str = DEFAULT_NAME, *, progress: Progress = _say) -> None:
     with _lab_lock(name):
         lab = Lab(name, 1)
         _refuse_foreign(lab)
-        _take_over_stale(lab, progress)
+        _take_over_stale(lab, progress, any_name=False)
         hosts = _known_hosts_of(lab)
         for host in hosts:
             _remove_host(lab, host)

@@ -198,7 +198,7 @@ def test_a_lab_of_another_checkout_is_refused_while_live_and_taken_over_once_sto
             os.kill(pid, signal.SIGKILL)  # what the end of a session does to it
         taken = ddtree("lab", "up", "--name", spec.name, "--hosts", "1")
         assert taken.returncode == 0, taken.stderr
-        assert "removing what a stopped lab of the same name left" in taken.stderr
+        assert "removing the bridge and namespaces a stopped lab" in taken.stderr
         assert _status(spec.name)["up"] is True
     finally:
         ddtree("lab", "down", "--name", spec.name)
@@ -209,3 +209,32 @@ def test_a_lab_of_another_checkout_is_refused_while_live_and_taken_over_once_sto
 
 def _status_from(repo: Path, name: str) -> dict:
     return json.loads(_ddtree_from(repo, "lab", "status", "--name", name, "--json").stdout)
+
+
+def test_labs_whose_names_share_a_subnet_refuse_while_live_and_take_over_once_stopped(lab: LabHandle) -> None:
+    first = Lab(f"{lab.name[:10]}-sa", 1)
+    second = next(
+        Lab(f"{lab.name[:10]}-s{i}", 1)
+        for i in range(100_000)
+        if Lab(f"{lab.name[:10]}-s{i}", 1).k == first.k
+    )
+    for spec in (first, second):
+        ddtree("lab", "down", "--name", spec.name)
+    try:
+        assert ddtree("lab", "up", "--name", first.name, "--hosts", "1").returncode == 0
+        clash = ddtree("lab", "up", "--name", second.name, "--hosts", "1")
+        assert clash.returncode == 1
+        assert "another lab uses this subnet" in clash.stderr and first.name in clash.stderr
+        assert _status(first.name)["up"] is True
+
+        for pid in lab_nspawn.nspawn_pids(first.hosts[0].machine):
+            os.kill(pid, signal.SIGKILL)
+        taken = ddtree("lab", "up", "--name", second.name, "--hosts", "1")
+        assert taken.returncode == 0, taken.stderr
+        assert f"a stopped lab {first.name!r}" in taken.stderr
+        assert _status(second.name)["up"] is True
+    finally:
+        for spec in (second, first):
+            ddtree("lab", "down", "--name", spec.name)
+    for spec in (first, second):
+        assert not any(_artefacts(spec).values())
