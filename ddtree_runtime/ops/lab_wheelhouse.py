@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -23,6 +24,8 @@ REQUIREMENTS = Path("requirements/lab-wheelhouse.txt")
 NO_DEPS_MARK = "# no-deps"
 TORCH_PIN = "torch==2.13.0"
 STAMP = ".requirements.sha256"
+# Where the machine keeps the CPU torch wheel; pip's own config names it too, this makes it explicit.
+CPU_WHEELS = Path(os.environ.get("DDTREE_LAB_FIND_LINKS", "/opt/wheels"))
 
 Progress = Callable[[str], None]
 
@@ -95,7 +98,8 @@ def _fetch(requirements: Path, dest: Path, progress: Progress) -> None:
         flat.flush()
         # `pip wheel` rather than `pip download`: a dependency published only as an sdist is built here,
         # since the hosts install with --no-index and may lack build tools.
-        _pip("wheel", "--quiet", "--wheel-dir", str(dest), "-r", flat.name, what="pip wheel (with deps)")
+        links = ["--find-links", str(CPU_WHEELS)] if CPU_WHEELS.is_dir() else []
+        _pip("wheel", "--quiet", *links, "--wheel-dir", str(dest), "-r", flat.name, what="pip wheel (deps)")
     if no_deps:
         progress(f"wheelhouse: pip wheel --no-deps {' '.join(no_deps)}")
         _pip("wheel", "--quiet", "--no-deps", "--wheel-dir", str(dest), *no_deps, what="pip wheel --no-deps")
