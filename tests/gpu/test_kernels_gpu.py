@@ -98,7 +98,10 @@ def test_large_budget_stage_by_stage(monkeypatch):
 
     gen = torch.Generator(device=DEV).manual_seed(11)
     batch, budget, vocab = 2, 1024, 248320
-    draft = (torch.randn((batch, 15, vocab), device=DEV, generator=gen) * 2).to(torch.bfloat16)
+    draft = torch.randn((batch, 15, vocab), device=DEV, generator=gen) * 2
+    # A confident drafter (one strong token per depth) so that the tree and the walk go deep.
+    peak = torch.randint(0, vocab, (batch, 15, 1), device=DEV, generator=gen)
+    draft = draft.scatter_add(2, peak, torch.full_like(peak, 14.0, dtype=draft.dtype)).to(torch.bfloat16)
     lp, ids = topk_log_probs(draft, budget)
     want_lp, want_ids = tree.topk_log_probs(draft, budget)
     assert torch.equal(ids, want_ids)
