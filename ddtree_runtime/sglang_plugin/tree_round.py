@@ -1,0 +1,254 @@
+"""One DDTREE decode round over SGLang's pools, with the two model passes injected.
+
+The round (ddtree-algorithm.md section 3) is the same whatever runs the models:
+
+1. the drafter's block ``[bonus, MASK x L]`` at positions ``prefix ..`` -> per-depth logits;
+2. ``ddtree_runtime.tree`` builds the tree (CUDA kernels on GPU) and the verify arrays:
+   tokens, positions ``prefix + depth``, the ancestor mask (``tree_step.plan_tree_verify``);
+3. ONE target forward over ``budget + 1`` rows per request, written at logical positions
+   ``prefix .. prefix + budget``; the hidden states are checked (None, rank, width, rows)
+   right after it;
+4. the walk: greedy, or lossless sampling at T > 0 (``walk_sample``: a genuine target sample at
+   every node, never min(1, p/q));
+5. stop tokens truncate the emitted tokens (and with them the committed rows);
+6. the accepted rows' KV become the next logical rows (``tree_commit``);
+7. the drafter gets the target hidden states of the accepted rows gathered by NODE INDEX (never
+   a contiguous prefix of the verify rows), appended to its KV at consecutive positions.
+
+``RoundModels`` is the seam: the worker implements it with SGLang's model runners on GPU; tests
+implement it with a toy model on CPU. Pools, tree, walk, commit and gather are the real code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from ddtree_runtime.contract import ContractError, HiddenContract, check_hidden_states
+from ddtree_runtime.sglang_plugin.tree_commit import KVCommit, commit_accepted_kv
+from ddtree_runtime.sglang_plugin.tree_step import (
+    TreeAccept,
+    TreeVerifyBatch,
+    draft_position_logits,
+    plan_tree_verify,
+)
+from ddtree_runtime.tree import WalkResult, walk_greedy, walk_sample
+
+
+class RoundModels(Protocol):
+    def draft_block(
+        self, block_ids: Tensor, positions: Tensor, cache_loc: Tensor, req_pool_indices: Tensor
+    ) -> Tensor:
+        """Drafter over ``block_ids [b, block]`` (its context: the draft KV of each request's
+        ``req_to_token`` row) -> logits ``[b * block, V]`` over the global vocabulary."""
+
+    def target_verify(
+        self, plan: TreeVerifyBatch, cache_loc: Tensor, req_pool_indices: Tensor
+    ) -> tuple[Tensor, Tensor | None]:
+        """Target over the tree rows (tokens, positions, mask in ``plan``; KV written at
+        ``cache_loc [b * (B+1)]``) -> (logits ``[b * (B+1), V]``, hidden ``[b * (B+1), W]``)."""
+
+    def append_draft_context(self, hidden: Tensor, cache_loc: Tensor, positions: Tensor) -> None:
+        """Project ``hidden [n, W]`` into the drafter's KV at ``cache_loc [n]``, ``positions [n]``."""
+
+
+@dataclass(frozen=True)
+class RoundConfig:
+    budget: int
+    block_size: int
+    mask_token_id: int
+    page_size: int = 1
+    topk_cap: int | None = None
+    window: int | None = None  # rows written per round; default max(budget + 1, block_size)
+
+    @property
+    def verify_rows(self) -> int:
+        return self.budget + 1
+
+    @property
+    def write_window(self) -> int:
+        return self.window or max(self.verify_rows, self.block_size)
+
+
+@dataclass(frozen=True)
+class RoundInput:
+    req_pool_indices: Tensor  # [b]
+    prefix_lens: Tensor  # [b] committed length = target KV length
+    bonus_tokens: Tensor  # [b] last target-chosen token, not yet in KV (this round's root)
+    temperatures: Tensor | None = None  # [b]; None or all 0 = greedy
+    stop_token_ids: tuple[frozenset[int], ...] | None = None  # per request
+
+
+@dataclass(frozen=True)
+class RoundOutput:
+    out_tokens: Tensor  # [b, L+1] emitted tokens (accepted + bonus), -1 padded, stop-truncated
+    commit_lens: Tensor  # [b] emitted tokens = committed KV rows
+    new_seq_lens: Tensor  # [b]
+    bonus_tokens: Tensor  # [b] next round's root
+    accept_length: Tensor  # [b] accepted draft tokens (commit_lens - 1)
+    finished: Tensor  # [b] bool, a stop token was emitted
+    plan: TreeVerifyBatch
+    accept: TreeAccept
+    kv: KVCommit
+    draft_context_rows: Tensor  # flat verify rows whose hidden states the drafter got
+
+
+def check_verify_hidden(hidden: Tensor | None, rows: int, contract: HiddenContract | None) -> None:
+    """After every target verify: hidden states present, 2-D, one row per tree node, and the
+    drafter's width (the contract's numbers when known)."""
+    if contract is not None:
+        check_hidden_states(hidden, contract, num_tokens=rows)
+        return
+    if hidden is None:
+        raise ContractError("hidden_states_missing", "the target verify returned no hidden states")
+    if hidden.dim() != 2 or hidden.shape[0] != rows:
+        raise ContractError(
+            "hidden_width_mismatch",
+            f"the target verify returned hidden states {tuple(hidden.shape)}; expected [{rows}, W] "
+            "(one row per tree node)",
+            expected_rows=rows,
+            observed=tuple(hidden.shape),
+        )
+
+
+def walk_round(
+    plan: TreeVerifyBatch,
+    target_logits: Tensor,
+    temperatures: Tensor | None,
+    *,
+    generator: torch.Generator | None = None,
+) -> WalkResult:
+    """Greedy at T = 0; at T > 0 one target sample per node row (rows with T = 0 take the argmax),
+    then the same walk: lossless (every committed token is a target sample at its node)."""
+    b, rows = plan.candidates.shape
+    logits = target_logits.reshape(b, rows, -1)
+    if temperatures is None or not bool((temperatures > 0).any()):
+        return walk_greedy(plan.tree, logits)
+    temps = temperatures.to(logits.device).float().reshape(b, 1, 1)
+    probs = torch.softmax(logits.float() / temps.clamp(min=1e-6), dim=-1)
+    # T = 0 rows: a one-hot at the argmax, so the same sampling walk decides them greedily.
+    greedy = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).to(probs.dtype)
+    probs = torch.where(temps > 0, probs, greedy)
+    return walk_sample(plan.tree, probs, generator=generator)
+
+
+def truncate_at_stop(
+    walk: WalkResult, stop_token_ids: tuple[frozenset[int], ...] | None
+) -> tuple[WalkResult, Tensor]:
+    """Cut each request's emitted tokens after its first stop token; the committed rows shrink
+    with them (row k is the node whose output is emitted token k)."""
+    b = walk.emitted.shape[0]
+    finished = torch.zeros(b, dtype=torch.bool, device=walk.emitted.device)
+    if not stop_token_ids:
+        return walk, finished
+    num = walk.num_emitted.clone()
+    for r, stops in enumerate(stop_token_ids):
+        if not stops:
+            continue
+        tokens = walk.emitted[r, : int(num[r])].tolist()
+        for k, tok in enumerate(tokens):
+            if tok in stops:
+                num[r] = k + 1
+                finished[r] = True
+                break
+    steps = torch.arange(walk.emitted.shape[1], device=num.device).expand(b, -1)
+    live = steps < num.unsqueeze(1)
+    emitted = torch.where(live, walk.emitted, -1)
+    last = emitted.gather(1, (num - 1).unsqueeze(1)).squeeze(1)
+    cut = WalkResult(
+        accepted=torch.where(live, walk.accepted, -1),
+        num_accepted=num,
+        bonus=last,
+        emitted=emitted,
+        num_emitted=num.clone(),
+        tree_rows=walk.tree_rows,
+    )
+    return cut, finished
+
+
+def run_tree_round(
+    models: RoundModels,
+    inp: RoundInput,
+    cfg: RoundConfig,
+    *,
+    req_to_token: Tensor,
+    kv_pool: Any,
+    contract: HiddenContract | None = None,
+    release: Callable[[Tensor], None] | None = None,
+    generator: torch.Generator | None = None,
+    on_hidden: Callable[[Tensor | None], None] | None = None,
+) -> RoundOutput:
+    """One decode round for a batch (see module docstring). ``release``: see ``tree_commit``."""
+    device = req_to_token.device
+    idx = inp.req_pool_indices.long().to(device)
+    prefix = inp.prefix_lens.long().to(device)
+    b = idx.shape[0]
+    block = cfg.block_size
+
+    # 1) drafter block: [bonus, MASK x L] at prefix .. prefix + block - 1
+    block_ids = torch.full((b, block), cfg.mask_token_id, dtype=torch.long, device=device)
+    block_ids[:, 0] = inp.bonus_tokens.to(device)
+    block_pos = prefix.unsqueeze(1) + torch.arange(block, device=device)
+    block_loc = req_to_token[idx.unsqueeze(1), block_pos].long()
+    draft_logits = models.draft_block(block_ids, block_pos, block_loc.reshape(-1), idx)
+
+    # 2) tree + verify arrays
+    plan = plan_tree_verify(
+        draft_position_logits(draft_logits, b), block_ids[:, 0], prefix, cfg.budget, topk_cap=cfg.topk_cap
+    )
+
+    # 3) target verify + hidden guard
+    rows = cfg.verify_rows
+    verify_loc = req_to_token[
+        idx.unsqueeze(1), prefix.unsqueeze(1) + torch.arange(rows, device=device)
+    ].long()
+    target_logits, hidden = models.target_verify(plan, verify_loc.reshape(-1), idx)
+    if on_hidden is not None:
+        on_hidden(hidden)
+    check_verify_hidden(hidden, b * rows, contract)
+
+    # 4-5) walk, stop tokens
+    walk = walk_round(plan, target_logits, inp.temperatures, generator=generator)
+    walk, finished = truncate_at_stop(walk, inp.stop_token_ids)
+    base = (torch.arange(b, device=device) * rows).unsqueeze(1)
+    accept_index = torch.where(walk.accepted >= 0, walk.accepted + base, -1)
+    accept = TreeAccept(
+        walk=walk, accept_index=accept_index, accept_length=walk.num_accepted - 1, bonus=walk.bonus
+    )
+
+    # 6) KV commit
+    kv = commit_accepted_kv(
+        walk,
+        req_to_token=req_to_token,
+        req_pool_indices=idx,
+        prefix_lens=prefix,
+        kv_pool=kv_pool,
+        page_size=cfg.page_size,
+        window=cfg.write_window,
+        release=release,
+    )
+
+    # 7) drafter context: accepted rows by node index, at consecutive positions
+    context_rows = accept_index[accept_index >= 0]
+    steps = walk.accepted.shape[1]
+    live = walk.accepted >= 0
+    positions = (prefix.unsqueeze(1) + torch.arange(steps, device=device).expand(b, steps))[live]
+    assert hidden is not None  # checked above
+    models.append_draft_context(hidden.index_select(0, context_rows), kv.committed_slots[live], positions)
+
+    return RoundOutput(
+        out_tokens=walk.emitted,
+        commit_lens=walk.num_emitted,
+        new_seq_lens=kv.new_seq_lens,
+        bonus_tokens=walk.bonus,
+        accept_length=walk.num_accepted - 1,
+        finished=finished,
+        plan=plan,
+        accept=accept,
+        kv=kv,
+        draft_context_rows=context_rows,
+    )
