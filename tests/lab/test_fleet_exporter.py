@@ -99,6 +99,8 @@ def test_exporter_role_installs_a_scrapable_hardened_exporter(lab, host: fleet.T
         report = json.loads(_sh(host, f"cat /var/lib/ddtree/probe/{unit}.json"))
         assert (report["ok"], report["cause"], report["exit_code"]) == (False, "unreachable", 3)
         assert report["figures"]["diagnosis"] == []  # the unit's journal was readable, nothing known in it
+        rc, out, err = fleet.run_remote(host, f"{release}/bin/ddtree diagnose --unit {unit} --json")
+        assert rc == 0 and json.loads(out)["causes"] == [], err  # the host-side CLI on a real journal
 
         s = _scrape(f"http://{host.address}:{port}/metrics")  # from the controller, over the lab net
         u = ("unit", unit)
