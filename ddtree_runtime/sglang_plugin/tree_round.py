@@ -80,6 +80,8 @@ class RoundInput:
     prefix_lens: Tensor  # [b] committed length = target KV length
     bonus_tokens: Tensor  # [b] last target-chosen token, not yet in KV (this round's root)
     temperatures: Tensor | None = None  # [b]; None or all 0 = greedy
+    top_ks: Tensor | None = None  # [b] (T > 0 rows only)
+    top_ps: Tensor | None = None  # [b]
     stop_token_ids: tuple[frozenset[int], ...] | None = None  # per request
 
 
@@ -115,24 +117,53 @@ def check_verify_hidden(hidden: Tensor | None, rows: int, contract: HiddenContra
         )
 
 
+def processed_probs(
+    logits: Tensor, temperatures: Tensor, top_ks: Tensor | None = None, top_ps: Tensor | None = None
+) -> Tensor:
+    """The target's sampling law per row: softmax(logits / T), then top-k and top-p (the request's
+    own settings, applied to the target before the walk samples it). ``logits [b, rows, V]``,
+    per-request ``temperatures / top_ks / top_ps [b]``; top-k <= 0 or >= V and top-p >= 1 keep all."""
+    b, _, vocab = logits.shape
+    temps = temperatures.to(logits.device).float().reshape(b, 1, 1).clamp(min=1e-6)
+    probs = torch.softmax(logits.float() / temps, dim=-1)
+    if top_ks is None and top_ps is None:
+        return probs
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    keep = torch.ones_like(sorted_p, dtype=torch.bool)
+    ranks = torch.arange(vocab, device=logits.device)
+    if top_ks is not None:
+        k = top_ks.to(logits.device).long().reshape(b, 1, 1)
+        k = torch.where((k <= 0) | (k >= vocab), torch.full_like(k, vocab), k)
+        keep &= ranks < k
+    if top_ps is not None:
+        p = top_ps.to(logits.device).float().reshape(b, 1, 1)
+        before = sorted_p.cumsum(dim=-1) - sorted_p  # mass of the tokens ranked above
+        keep &= (before < p) | (ranks == 0)
+    sorted_p = torch.where(keep, sorted_p, 0.0)
+    probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
 def walk_round(
     plan: TreeVerifyBatch,
     target_logits: Tensor,
     temperatures: Tensor | None,
     *,
+    top_ks: Tensor | None = None,
+    top_ps: Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> WalkResult:
-    """Greedy at T = 0; at T > 0 one target sample per node row (rows with T = 0 take the argmax),
-    then the same walk: lossless (every committed token is a target sample at its node)."""
+    """Greedy at T = 0; at T > 0 the lossless sampling walk (``walk_sample``: the target's processed
+    distribution sampled at each visited node; rows with T = 0 take the argmax)."""
     b, rows = plan.candidates.shape
     logits = target_logits.reshape(b, rows, -1)
     if temperatures is None or not bool((temperatures > 0).any()):
         return walk_greedy(plan.tree, logits)
-    temps = temperatures.to(logits.device).float().reshape(b, 1, 1)
-    probs = torch.softmax(logits.float() / temps.clamp(min=1e-6), dim=-1)
+    temps = temperatures.to(logits.device).float()
+    probs = processed_probs(logits, temps, top_ks, top_ps)
     # T = 0 rows: a one-hot at the argmax, so the same sampling walk decides them greedily.
     greedy = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).to(probs.dtype)
-    probs = torch.where(temps > 0, probs, greedy)
+    probs = torch.where(temps.reshape(b, 1, 1) > 0, probs, greedy)
     return walk_sample(plan.tree, probs, generator=generator)
 
 
@@ -212,7 +243,9 @@ def run_tree_round(
     check_verify_hidden(hidden, b * rows, contract)
 
     # 4-5) walk, stop tokens
-    walk = walk_round(plan, target_logits, inp.temperatures, generator=generator)
+    walk = walk_round(
+        plan, target_logits, inp.temperatures, top_ks=inp.top_ks, top_ps=inp.top_ps, generator=generator
+    )
     walk, finished = truncate_at_stop(walk, inp.stop_token_ids)
     base = (torch.arange(b, device=device) * rows).unsqueeze(1)
     accept_index = torch.where(walk.accepted >= 0, walk.accepted + base, -1)

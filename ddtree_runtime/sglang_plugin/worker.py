@@ -10,13 +10,18 @@ materialisation and the CUDA graphs):
 * the drafter runs its own block (``speculative_dflash_block_size``) while the target verifies
   budget + 1 tree nodes.
 
-Decode in this release: the chain case only. A DDTREE tree with top-k cap 1 and budget
-L = block - 1 is exactly DFlash's argmax chain (ddtree-algorithm.md section 7, case 4), which
-``DFlashWorkerV2`` decodes with SGLang's own tested code. Wider trees need a decode loop that
-feeds ``tree_step`` (tree build, tree-masked verify, walk, KV window permutation, hidden gather
-by node index) into SGLang's KV pool; that loop has not been written or run on a GPU yet, so
-such configurations are refused at worker start with a message saying so
-(``check_decode_support``).
+Decode:
+
+* the chain case (top-k cap 1, budget = block - 1) is exactly DFlash's argmax chain
+  (ddtree-algorithm.md section 7, case 4) and runs ``DFlashWorkerV2``'s own decode;
+* every other configuration runs the tree round (``tree_round.run_tree_round``): DFlash's drafter
+  block -> ``ddtree_runtime.tree`` -> one tree-masked target verify of budget + 1 rows -> hidden
+  guard -> walk (greedy, or lossless sampling) -> stop truncation -> KV commit (page size 1:
+  re-map the reserved window; page size > 1: move rows) -> the drafter gets the accepted rows'
+  hidden states by node index. The model passes are ``sglang_round.SGLangRoundModels``.
+
+Configurations the tree round cannot serve are refused at worker start with the reason
+(``check_tree_decode_support``); prefill always runs DFlash's own code (prompt materialisation).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
 from ddtree_runtime.contract import ContractError, HiddenContract, check_hidden_states, load_contract
@@ -102,21 +108,59 @@ def guard_target_forward(
 
 
 class TreeDecodeNotAvailable(DDTreeConfigError):
-    """The configuration needs the tree decode loop, which this release does not have."""
+    """A configuration the tree decode round cannot serve (the message says why and what starts)."""
 
 
-def check_decode_support(settings: dict[str, Any]) -> None:
-    budget, block, cap = settings["budget"], settings["block_size"], settings["topk_cap"]
-    if cap == 1 and budget == block - 1:
+def is_chain(settings: dict[str, Any]) -> bool:
+    return settings["topk_cap"] == 1 and settings["budget"] == settings["block_size"] - 1
+
+
+def check_tree_decode_support(settings: dict[str, Any], cfg: Any) -> None:
+    """Start-up refusals of the tree round, from the launch flags (chain configurations run
+    DFlash's decode and pass)."""
+    if is_chain(settings):
         return
-    raise TreeDecodeNotAvailable(
-        f"DDTREE with budget {budget} and top-k cap {cap} verifies a tree, and this release of "
-        "ddtree-runtime has no GPU decode loop for trees yet (tree build, masked verify, walk and "
-        "KV commit are implemented and tested on CPU in ddtree_runtime.sglang_plugin.tree_step, "
-        "but not wired into SGLang's KV pool). What starts today: "
-        f"--speculative-ddtree-topk-cap 1 --speculative-ddtree-budget {block - 1} (the chain "
-        "special case, decoded exactly like DFLASH, with DDTREE's guards and handshake), or "
-        "--speculative-algorithm DFLASH."
+    hits = []
+    if getattr(cfg, "enable_dp_attention", False):
+        hits.append(
+            "--enable-dp-attention: idle DP ranks must mirror the verify's collectives with the "
+            "tree width, which the tree round does not do"
+        )
+    if getattr(cfg, "speculative_draft_window_size", None):
+        hits.append(
+            "--speculative-draft-window-size: the compact draft cache re-maps the drafter's KV by "
+            "contiguous prefix; the tree round appends accepted rows at explicit slots"
+        )
+    if hits:
+        raise TreeDecodeNotAvailable(_tree_refusal(settings, hits))
+
+
+def check_tree_worker_features(settings: dict[str, Any], worker: Any) -> None:
+    """The same, for what only the built DFlash worker knows (drafter heads, hybrid state)."""
+    if is_chain(settings):
+        return
+    hits = []
+    if getattr(worker, "_need_mamba_verify_commit", False):
+        hits.append(
+            "a hybrid (recurrent-state) target: the tree round does not commit the accepted "
+            "leaf's recurrent state (--speculative-ddtree-allow-hybrid only starts the chain case)"
+        )
+    for attr, what in (("selector", "a selector draft head"), ("lilicorr", "a LiLiCorr draft head")):
+        if getattr(worker, attr, None) is not None:
+            hits.append(f"{what}: the tree needs the drafter's full logits per depth")
+    if getattr(worker, "_is_domino", False):
+        hits.append("a Domino drafter: its rollout replaces the per-depth logits the tree ranks")
+    if hits:
+        raise TreeDecodeNotAvailable(_tree_refusal(settings, hits))
+
+
+def _tree_refusal(settings: dict[str, Any], hits: list[str]) -> str:
+    block = settings["block_size"]
+    return (
+        f"DDTREE cannot run a tree (budget {settings['budget']}, top-k cap {settings['topk_cap']}) "
+        "with:\n  - " + "\n  - ".join(hits) + "\nWhat starts: drop the flag named above, or run "
+        f"the chain case --speculative-ddtree-topk-cap 1 --speculative-ddtree-budget {block - 1} "
+        "(decoded exactly like DFLASH), or --speculative-algorithm DFLASH."
     )
 
 
@@ -135,7 +179,7 @@ class DDTreeWorker(DFlashWorkerV2):
 
         cfg = resolving_view(server_args)
         contract = startup_contract(str(cfg.model_path), str(cfg.speculative_draft_model_path))
-        check_decode_support(settings)
+        check_tree_decode_support(settings, cfg)
         self._ddtree_contract = contract
         base = static_handshake({**settings, "contract": contract.to_dict() if contract else None})
         self._ddtree_handshake = HandshakeState(base)
@@ -146,6 +190,13 @@ class DDTreeWorker(DFlashWorkerV2):
             )
         self._publish(self._ddtree_handshake.to_dict())
         super().__init__(server_args, gpu_id, nccl_port, target_worker)
+        check_tree_worker_features(settings, self)
+        if not is_chain(settings):
+            # DFlashWorkerV2 sizes its drafter block from speculative_num_draft_tokens, which for a
+            # tree is the shared KV window max(budget + 1, block). The drafter keeps its own block;
+            # the window stays speculative_num_draft_tokens (what the scheduler reserves).
+            self.block_size = int(settings["block_size"])
+            self.draft_model.set_block_size(self.block_size)
 
     def _publish(self, handshake: dict[str, Any]) -> None:
         if self._ddtree_metrics is not None:
@@ -153,3 +204,110 @@ class DDTreeWorker(DFlashWorkerV2):
 
     def ddtree_handshake(self) -> dict[str, Any]:
         return self._ddtree_handshake.to_dict()
+
+    # --- decode ------------------------------------------------------------------------------
+    def forward_batch_generation(
+        self, batch: Any, on_publish: Any = None, grammar_barrier: Any = None, pp_proxy_tensors: Any = None
+    ) -> Any:
+        mode = batch.forward_mode
+        if is_chain(self.ddtree_settings) or mode.is_extend() or batch.is_extend_in_batch or mode.is_idle():
+            # Chain decode, prefill (prompt materialised into draft KV) and idle ranks: DFlash's code.
+            return super().forward_batch_generation(
+                batch,
+                on_publish=on_publish,
+                grammar_barrier=grammar_barrier,
+                pp_proxy_tensors=pp_proxy_tensors,
+            )
+        return self._tree_decode(batch, on_publish)
+
+    def _tree_decode(self, batch: Any, on_publish: Any) -> Any:
+        from sglang.srt.managers.utils import GenerationBatchResult
+
+        from ddtree_runtime.sglang_plugin.tree_round import RoundConfig, run_tree_round
+
+        if batch.has_grammar or batch.return_logprob:
+            # Not refusable at start (per request); fail the batch with the reason.
+            raise RuntimeError(
+                "DDTREE tree decode does not support grammar-constrained or return_logprob requests "
+                "yet; serve them with the chain case or --speculative-algorithm DFLASH."
+            )
+        draft_input = batch.spec_info
+        settings = self.ddtree_settings
+        runner = self.target_worker.model_runner
+        cfg = RoundConfig(
+            budget=int(settings["budget"]),
+            block_size=int(self.block_size),
+            mask_token_id=int(self._mask_token_id),
+            page_size=int(runner.token_to_kv_pool_allocator.page_size),
+            topk_cap=settings["topk_cap"],
+            window=int(self.speculative_num_draft_tokens),  # the reservation the round writes
+        )
+        models = self._round_models(batch)
+        result = run_tree_round(
+            models,
+            round_input(batch, draft_input.bonus_tokens),
+            cfg,
+            req_to_token=runner.req_to_token_pool.req_to_token,
+            kv_pool=runner.token_to_kv_pool,
+            contract=self._ddtree_contract,
+            on_hidden=self._observe_hidden,
+        )
+        if on_publish is not None:
+            on_publish(result.new_seq_lens)
+        next_draft_input = self._make_next_draft_input_decode(
+            bonus_tokens=result.bonus_tokens, new_seq_lens=result.new_seq_lens
+        )
+        target_out = getattr(models, "last_target_out", None)
+        return GenerationBatchResult(
+            logits_output=getattr(target_out, "logits_output", None),
+            next_token_ids=result.out_tokens.reshape(-1),
+            accept_lens=result.commit_lens.to(torch.int32),
+            can_run_cuda_graph=False,
+            next_draft_input=next_draft_input,
+            speculative_num_draft_tokens=cfg.verify_rows,  # accept-rate denominator: tree nodes
+            speculative_output_stride=int(result.out_tokens.shape[1]),
+            new_seq_lens=result.new_seq_lens,
+            routed_experts_output=getattr(target_out, "routed_experts_output", None),
+            indexer_topk_output=getattr(target_out, "indexer_topk_output", None),
+        )
+
+    def _round_models(self, batch: Any) -> Any:
+        """The round's model passes (``tree_round.RoundModels``): SGLang's runners."""
+        from ddtree_runtime.sglang_plugin.sglang_round import SGLangRoundModels
+
+        return SGLangRoundModels(self, batch)
+
+    def _observe_hidden(self, hidden: Any) -> None:
+        self._ddtree_handshake.observe(hidden)
+        self._publish(self._ddtree_handshake.to_dict())
+
+
+def round_input(batch: Any, bonus_tokens: Any) -> Any:
+    """``RoundInput`` from a ScheduleBatch: prefix, bonus, per-request sampling and stop tokens."""
+    from ddtree_runtime.sglang_plugin.tree_round import RoundInput
+
+    info = batch.sampling_info
+    temperatures = top_ks = top_ps = None
+    if info is not None and not info.is_all_greedy:
+        top_ks = info.top_ks.reshape(-1)
+        # SGLang marks greedy requests with top_k <= 1 (temperature 0 becomes top_k 1).
+        temperatures = torch.where(top_ks <= 1, 0.0, info.temperatures.reshape(-1).float())
+        top_ps = info.top_ps.reshape(-1)
+    return RoundInput(
+        req_pool_indices=batch.req_pool_indices,
+        prefix_lens=batch.seq_lens,
+        bonus_tokens=bonus_tokens,
+        temperatures=temperatures,
+        top_ks=top_ks,
+        top_ps=top_ps,
+        stop_token_ids=tuple(stop_ids(req) for req in batch.reqs),
+    )
+
+
+def stop_ids(req: Any) -> frozenset[int]:
+    """Token ids that end this request (its stop_token_ids, plus EOS unless ignore_eos)."""
+    params = req.sampling_params
+    ids = set(getattr(params, "stop_token_ids", None) or ())
+    if not getattr(params, "ignore_eos", False):
+        ids |= set(getattr(req, "eos_token_ids", None) or ())
+    return frozenset(int(i) for i in ids)

@@ -133,21 +133,41 @@ def test_guard_ignores_forwards_that_feed_no_drafter(sglang_plugins, pair):
     assert target.calls == 2 and state.to_dict()["status"] == "pending"
 
 
-def test_tree_configurations_are_refused_at_worker_start_with_the_reason(sglang_plugins, pair):
+def test_tree_configurations_pass_the_start_check_and_chains_always_do(sglang_plugins, pair):
+    from ddtree_runtime.sglang_plugin.worker import check_tree_decode_support, is_chain
+
+    tree, tree_cfg = resolve(ddtree_argv(*pair, "--speculative-ddtree-budget", "24"))
+    assert not is_chain(tree._ddtree_resolved)
+    check_tree_decode_support(tree._ddtree_resolved, tree_cfg)  # the tree round serves it
+    chain, _ = resolve(
+        ddtree_argv(*pair, "--speculative-ddtree-topk-cap", "1", "--speculative-ddtree-budget", "15")
+    )
+    assert is_chain(chain._ddtree_resolved)
+    check_tree_decode_support(chain._ddtree_resolved, SimpleNamespace(enable_dp_attention=True))
+
+
+def test_tree_configurations_the_round_cannot_serve_are_refused_with_the_reason(sglang_plugins, pair):
     from ddtree_runtime.sglang_plugin.worker import DDTreeWorker, TreeDecodeNotAvailable
 
-    record, _ = resolve(ddtree_argv(*pair, "--speculative-ddtree-budget", "24"))
+    record, _ = resolve(
+        ddtree_argv(*pair, "--speculative-ddtree-budget", "24", "--speculative-draft-window-size", "64")
+    )
     with pytest.raises(TreeDecodeNotAvailable) as exc:
         DDTreeWorker(record, gpu_id=0, nccl_port=0, target_worker=SimpleNamespace())
     text = str(exc.value)
-    assert "no GPU decode loop for trees yet" in text
+    assert "--speculative-draft-window-size" in text and "budget 24" in text
     assert "--speculative-ddtree-topk-cap 1 --speculative-ddtree-budget 15" in text
 
 
-def test_chain_configuration_passes_the_decode_check(sglang_plugins, pair):
-    from ddtree_runtime.sglang_plugin.worker import check_decode_support
+def test_worker_features_a_tree_cannot_use_are_refused(sglang_plugins, pair):
+    from ddtree_runtime.sglang_plugin.worker import TreeDecodeNotAvailable, check_tree_worker_features
 
-    record, _ = resolve(
-        ddtree_argv(*pair, "--speculative-ddtree-topk-cap", "1", "--speculative-ddtree-budget", "15")
-    )
-    check_decode_support(record._ddtree_resolved)  # does not raise
+    record, _ = resolve(ddtree_argv(*pair, "--speculative-ddtree-budget", "24"))
+    settings = record._ddtree_resolved
+    with pytest.raises(TreeDecodeNotAvailable, match="accepted leaf's recurrent state"):
+        check_tree_worker_features(settings, SimpleNamespace(_need_mamba_verify_commit=True))
+    with pytest.raises(TreeDecodeNotAvailable, match="selector draft head"):
+        check_tree_worker_features(settings, SimpleNamespace(selector=object()))
+    check_tree_worker_features(settings, SimpleNamespace(_need_mamba_verify_commit=False, selector=None))
+    chain = {**settings, "topk_cap": 1, "budget": settings["block_size"] - 1}
+    check_tree_worker_features(chain, SimpleNamespace(_need_mamba_verify_commit=True))  # DFlash's decode

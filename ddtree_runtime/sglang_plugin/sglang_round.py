@@ -1,0 +1,155 @@
+"""``tree_round.RoundModels`` on SGLang's GPU model runners: the DFlash drafter's block pass and
+the target's tree-masked verify pass, built the way ``DFlashWorkerV2.forward_batch_generation``
+builds its own (0.5.23), with the tree's width, mask and positions.
+
+Not run here: SGLang's CUDA wheels are on none of our machines, so this adapter has not executed
+against a live ``ModelRunner``. Everything it hands to (tree, walk, commit, gather) is tested on
+CPU with SGLang's real pools (tests/sglang/test_tree_decode.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ddtree_runtime.sglang_plugin.tree_step import TreeVerifyBatch
+
+
+def full_vocab_logits(hidden: Tensor, lm_head: Any, vocab_size: int) -> Tensor:
+    """Logits over the GLOBAL vocabulary from a (possibly vocabulary-parallel) LM head: the tree
+    ranks every token by its log-softmax, so each rank needs all of them, with global ids."""
+    from sglang.srt.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
+
+    local = torch.matmul(hidden.to(lm_head.weight.dtype), lm_head.weight.t())
+    if get_tensor_model_parallel_world_size() > 1:
+        local = tensor_model_parallel_all_gather(local.contiguous(), dim=-1)  # shards in rank order
+    return local[:, :vocab_size]  # drop the shards' padding rows
+
+
+class SGLangRoundModels:
+    """One round's model passes for ``DDTreeWorker`` (see module docstring)."""
+
+    def __init__(self, worker: Any, batch: Any) -> None:
+        self.worker = worker
+        self.batch = batch
+        self.draft_hidden_rows: int | None = None
+        self.last_target_out: Any = None
+
+    # --- drafter: DFlash's block, unchanged ---------------------------------------------------
+    def draft_block(
+        self, block_ids: Tensor, positions: Tensor, cache_loc: Tensor, req_pool_indices: Tensor
+    ) -> Tensor:
+        from sglang.srt.model_executor.forward_batch_info import (
+            CaptureHiddenMode,
+            ForwardBatch,
+            ForwardMode,
+        )
+        from sglang.srt.speculative.dflash_worker_v2 import _resolve_dflash_embedding_module
+        from sglang.srt.speculative.draft_parallel import draft_tp_context
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        w, batch = self.worker, self.batch
+        bs, block = block_ids.shape
+        target_model = w.target_worker.model_runner.model
+        if w._full_embed_gpu is not None:
+            embeds = torch.nn.functional.embedding(block_ids, w._full_embed_gpu)
+        else:
+            embeds = _resolve_dflash_embedding_module(w.draft_model, target_model)(block_ids)
+        if w._noise_embed_scale != 1.0:
+            embeds = embeds * w._noise_embed_scale
+        prefix = batch.seq_lens
+        plan = w.target_worker.model_runner.kv_index_translator.plan(
+            req_pool_indices=req_pool_indices,
+            seq_lens=prefix,
+            seq_lens_cpu=batch.seq_lens_cpu,
+            write_virtual=cache_loc,
+            read_extent=block,
+        )
+        seq_lens_cpu = (batch.seq_lens_cpu + block) if batch.seq_lens_cpu is not None else None
+        forward_batch = ForwardBatch(
+            forward_mode=ForwardMode.TARGET_VERIFY,
+            batch_size=bs,
+            input_ids=block_ids.flatten(),
+            req_pool_indices=req_pool_indices,
+            seq_lens=prefix,
+            out_cache_loc=cache_loc,
+            seq_lens_sum=(
+                int(seq_lens_cpu.sum()) if seq_lens_cpu is not None else int(prefix.sum()) + bs * block
+            ),
+            seq_lens_cpu=seq_lens_cpu,
+            positions=positions.reshape(-1),
+            input_embeds=embeds.view(-1, embeds.shape[-1]),
+            spec_algorithm=SpeculativeAlgorithm.DFLASH,  # the drafter's own pass is DFlash's
+            spec_info=w._draft_block_spec_info,
+            capture_hidden_mode=CaptureHiddenMode.NULL,
+            global_num_token_non_padded_cpu=bs * block,
+            can_run_decode_cuda_graph=batch.can_run_decode_cuda_graph,
+        )
+        plan.bind(forward_batch, w.draft_model_runner.kv_index_translator)
+        with torch.inference_mode(), draft_tp_context(w.draft_parallel_layout):
+            out = w.draft_model_runner.forward(forward_batch)
+        hidden = out.logits_output.hidden_states
+        if hidden is None:
+            raise RuntimeError("DDTREE: the DFlash drafter returned no hidden states for its block.")
+        hidden = hidden.view(bs, block, -1)
+        lm_head = target_model.lm_head
+        vocab = int(w.model_runner.model_config.vocab_size)
+        with draft_tp_context(w.draft_parallel_layout):
+            logits = full_vocab_logits(hidden[:, 1:].reshape(-1, hidden.shape[-1]), lm_head, vocab)
+        logits = logits.view(bs, block - 1, -1)
+        root = torch.zeros((bs, 1, logits.shape[-1]), dtype=logits.dtype, device=logits.device)
+        return torch.cat([root, logits], dim=1).view(bs * block, -1)  # slot 0 (bonus) is not read
+
+    # --- target: one verify over the tree --------------------------------------------------
+    def target_verify(
+        self, plan: TreeVerifyBatch, cache_loc: Tensor, req_pool_indices: Tensor
+    ) -> tuple[Tensor, Tensor | None]:
+        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+        from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+
+        w, batch = self.worker, self.batch
+        rows = plan.draft_token_num
+        kv_plan = w.target_worker.model_runner.kv_index_translator.plan(
+            req_pool_indices=req_pool_indices,
+            seq_lens=batch.seq_lens,
+            seq_lens_cpu=batch.seq_lens_cpu,
+            write_virtual=cache_loc,
+            read_extent=rows,
+        )
+        verify = DFlashVerifyInput(
+            draft_token=plan.draft_token,
+            positions=plan.positions,  # prefix + depth: siblings share a position
+            draft_token_num=rows,
+            custom_mask=plan.custom_mask,  # ancestor-only tree block, prefix visible
+            capture_hidden_mode=CaptureHiddenMode.FULL,
+            kv_loc_plan=kv_plan,
+        )
+        batch.out_cache_loc = cache_loc
+        saved = batch.seq_lens_cpu, batch.seq_lens_sum
+        if batch.seq_lens_cpu is not None:
+            batch.seq_lens_cpu = batch.seq_lens_cpu + rows
+            batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+        forward_batch, _ = verify.prepare_for_verify(batch, w.target_worker)
+        batch.seq_lens_cpu, batch.seq_lens_sum = saved
+        # Eager verify: the captured target-verify graphs were recorded without a tree mask.
+        forward_batch.can_run_decode_cuda_graph = False
+        out = w.target_worker.forward_batch_generation(
+            batch=None, forward_batch=forward_batch, is_verify=True
+        )
+        self.last_target_out = out
+        logits_output = out.logits_output
+        logits = logits_output.next_token_logits
+        target_lp = w._target_logits_processor
+        if target_lp is not None and target_lp.is_deferred_shard(logits):
+            logits = target_lp.finish_deferred_gather(logits)  # global vocabulary ids
+        hidden = logits_output.hidden_states
+        logits_output.hidden_states = None  # consumed this round (the next forward reuses it)
+        return logits, hidden
+
+    # --- drafter context: accepted rows by node index ---------------------------------------
+    def append_draft_context(self, hidden: Tensor, cache_loc: Tensor, positions: Tensor) -> None:
+        self.worker._append_target_hidden_to_draft_kv_by_loc(
+            target_hidden=hidden, cache_loc=cache_loc, positions=positions
+        )
