@@ -218,11 +218,4 @@ def topk_log_probs(
             KC=kc, NCP=max(_pow2(n_chunks), 2), NB=min(max(4096 // kc, 1), _pow2(n_chunks)),
             PRECISE_LOG=os.environ.get("TRITON_INTERPRET") != "1", num_warps=8,
         )
-    # Equal log-probs by ascending id, enforced once more outside Triton: on the H200 a few rows of
-    # large batches came back with two equal-valued ids swapped (set right, order not; cause not
-    # found yet), and the tree's tie-break depends on this order.
-    by_id = torch.argsort(ids, dim=-1, stable=True)
-    lp, ids = lp.gather(-1, by_id), ids.gather(-1, by_id)
-    by_lp = torch.argsort(lp, dim=-1, descending=True, stable=True)
-    lp, ids = lp.gather(-1, by_lp), ids.gather(-1, by_lp)
     return lp.reshape(*lead, k), ids.reshape(*lead, k)
