@@ -342,3 +342,50 @@ def test_the_hidden_guard_runs_after_the_verify_forward():
     with pytest.raises(ContractError) as exc:
         run_tree_round(models, inp, cfg, req_to_token=models.req_to_token, kv_pool=kv)
     assert exc.value.cause == "hidden_states_missing"
+
+
+def test_processed_probs_apply_temperature_top_k_and_top_p():
+    from ddtree_runtime.sglang_plugin.tree_round import processed_probs
+
+    logits = torch.log(torch.tensor([[[0.5, 0.3, 0.15, 0.05]]])).repeat(3, 1, 1)
+    probs = processed_probs(
+        logits,
+        torch.tensor([1.0, 1.0, 1.0]),
+        top_ks=torch.tensor([2, 0, 4]),
+        top_ps=torch.tensor([1.0, 0.7, 1.0]),
+    )
+    assert probs[0, 0].tolist() == pytest.approx([0.625, 0.375, 0.0, 0.0])  # top-2
+    assert probs[1, 0].tolist() == pytest.approx([0.625, 0.375, 0.0, 0.0])  # top-p 0.7 keeps 0.5 + 0.3
+    assert probs[2, 0].tolist() == pytest.approx([0.5, 0.3, 0.15, 0.05])
+    hot = processed_probs(logits[:1], torch.tensor([0.25]))
+    sharp = torch.tensor([0.5, 0.3, 0.15, 0.05]) ** 4  # T = 1/4: p^4, renormalised
+    assert hot[0, 0].tolist() == pytest.approx((sharp / sharp.sum()).tolist())
+
+
+def test_sampled_walk_emits_the_targets_own_distribution():
+    """T > 0 is lossless: over many independent rounds on one tree, the first emitted token follows
+    the target's processed distribution at the root, and the second, given an accepted first
+    node, the distribution at that node's row (chi-square, fixed seed)."""
+    from ddtree_runtime.sglang_plugin.tree_round import processed_probs, walk_round
+
+    n, vocab = 6000, 6
+    g = torch.Generator().manual_seed(11)
+    draft = torch.randn(1, 3, vocab, generator=g)
+    plan = plan_tree_verify(draft.repeat(n, 1, 1), torch.zeros(n, dtype=torch.long), torch.zeros(n), 5)
+    target = torch.randn(1, 6, vocab, generator=g).repeat(n, 1, 1)
+    temps = torch.full((n,), 0.9)
+    walk = walk_round(plan, target.reshape(n * 6, vocab), temps, generator=torch.Generator().manual_seed(2))
+    law = processed_probs(target[:1], temps[:1])[0]
+
+    def chi2(samples: torch.Tensor, p: torch.Tensor) -> float:
+        counts = torch.bincount(samples, minlength=vocab).double()
+        expected = p.double() * samples.numel()
+        live = expected > 0
+        assert counts[~live].sum() == 0
+        return float(((counts[live] - expected[live]) ** 2 / expected[live]).sum())
+
+    assert chi2(walk.emitted[:, 0], law[0]) < 20.5  # 5 dof, p = 0.001
+    child = int(plan.retrieve_next_token[0, 0])  # the root's first child
+    took = walk.accepted[:, 1] == child
+    assert int(took.sum()) > 300
+    assert chi2(walk.emitted[took, 1], law[child]) < 20.5
