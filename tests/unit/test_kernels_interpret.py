@@ -12,11 +12,15 @@ import os
 
 import pytest
 
-# Must be set before the kernel modules are imported (triton.jit reads it at decoration time).
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
+if torch.cuda.is_available():
+    # tests/gpu covers the compiled kernels there; the interpreter flag below would turn every
+    # Triton kernel of this process into the CPU interpreter.
+    pytest.skip("CUDA present: the compiled kernels are tested in tests/gpu", allow_module_level=True)
+
+# Must be set before the kernel modules are imported (triton.jit reads it at decoration time).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from ddtree_runtime import kernels, tree  # noqa: E402
 
