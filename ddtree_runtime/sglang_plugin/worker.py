@@ -195,8 +195,17 @@ class DDTreeWorker(DFlashWorkerV2):
             # DFlashWorkerV2 sizes its drafter block from speculative_num_draft_tokens, which for a
             # tree is the shared KV window max(budget + 1, block). The drafter keeps its own block;
             # the window stays speculative_num_draft_tokens (what the scheduler reserves).
+            from sglang.srt.speculative.draft_worker_common import (
+                build_block_pos_offsets,
+                make_draft_block_spec_info,
+            )
+
             self.block_size = int(settings["block_size"])
             self.draft_model.set_block_size(self.block_size)
+            self._block_pos_offsets = build_block_pos_offsets(length=self.block_size, device=self.device)
+            self._draft_block_spec_info = make_draft_block_spec_info(
+                draft_token_num=self.block_size, device=self.device
+            )
 
     def _publish(self, handshake: dict[str, Any]) -> None:
         if self._ddtree_metrics is not None:
