@@ -209,8 +209,12 @@ def build_tree(draft_logits: Tensor, budget: int, *, topk_cap: int | None = None
     (the reference heap sums in Python floats along another path).
     """
     kernel = _kernel_for("build_tree", draft_logits)
-    if kernel is not None:
-        return kernel(draft_logits, budget, topk_cap=topk_cap)
+    # Shapes the build kernel does not cover (long horizons, very wide top-K) take the plain path.
+    if kernel is not None and draft_logits.dim() == 3:
+        from ddtree_runtime import kernels
+
+        if kernels.supports_build(draft_logits.shape[1], budget, draft_logits.shape[2], topk_cap):
+            return kernel(draft_logits, budget, topk_cap=topk_cap)
     if draft_logits.dim() != 3:
         raise ValueError(f"draft_logits must be [batch, L, V], got shape {tuple(draft_logits.shape)}")
     if not draft_logits.is_floating_point():

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     from ddtree_runtime.tree import CommitPlan, DraftTree, VerifyInputs, WalkResult
 
-__all__ = ["available", "build_tree", "commit_plan", "compile_tree", "walk_greedy"]
+__all__ = ["available", "build_tree", "commit_plan", "compile_tree", "supports_build", "walk_greedy"]
 
 
 def available() -> bool:
@@ -30,6 +30,14 @@ def available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def supports_build(horizon: int, budget: int, vocab: int, topk_cap: int | None = None) -> bool:
+    """Whether the build kernel covers this shape (L <= MAX_HORIZON, K <= MAX_TOPK)."""
+    from .build import MAX_HORIZON, MAX_TOPK
+
+    k = min(max(int(budget), 0), vocab, topk_cap or max(int(budget), 0))
+    return horizon <= MAX_HORIZON and k <= MAX_TOPK
 
 
 def _interpreting() -> bool:
