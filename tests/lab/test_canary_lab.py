@@ -182,7 +182,9 @@ def test_the_shadow_profile_must_be_a_shadow_one_checked_before_any_change(lab, 
     before = {host: fingerprint(lab, host) for host in lab.hosts}
     run = _canary(lab, world, "-e", "canary_shadow_profile=balanced")
     assert run.returncode != 0
-    assert "the shadow profile must be one of shadow, shadow-small, shadow-small-nograph" in run.stdout
+    # The role's argument spec refuses it first (its preflight assert says the same).
+    valid = "shadow, shadow-small, shadow-small-nograph"
+    assert f"sglang_canary_shadow_profile must be one of: {valid}, got: balanced" in run.stdout
     assert "Canary the new build beside live" not in run.stdout
     assert {host: fingerprint(lab, host) for host in lab.hosts} == before
 
