@@ -12,20 +12,43 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
+from sglang.srt.runtime_context import get_parallel
+from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+from sglang.srt.speculative.dflash_worker_v2 import _resolve_dflash_embedding_module
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+from sglang.srt.speculative.spec_utils import draft_tp_context
 from torch import Tensor
 
 from ddtree_runtime.sglang_plugin.tree_step import TreeVerifyBatch
 
 
-def full_vocab_logits(hidden: Tensor, lm_head: Any, vocab_size: int) -> Tensor:
-    """Logits over the GLOBAL vocabulary from a (possibly vocabulary-parallel) LM head: the tree
-    ranks every token by its log-softmax, so each rank needs all of them, with global ids."""
-    from sglang.srt.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
+def full_vocab_logits(hidden: Tensor, lm_head: Any, vocab_size: int, tp_group: Any = None) -> Tensor:
+    """fp32 logits over the GLOBAL vocabulary from a (possibly vocabulary-parallel) LM head: the
+    tree ranks every token by its log-softmax, so each rank needs all of them under global ids.
 
-    local = torch.matmul(hidden.to(lm_head.weight.dtype), lm_head.weight.t())
-    if get_tensor_model_parallel_world_size() > 1:
-        local = tensor_model_parallel_all_gather(local.contiguous(), dim=-1)  # shards in rank order
-    return local[:, :vocab_size]  # drop the shards' padding rows
+    A shard's weight rows ``[0, num_org)`` hold ids ``[org_vocab_start, +num_org)``, then padding
+    (SGLang's ``VocabParallelEmbedding.shard_indices``); gathering the padded shards side by side
+    would shift every id after the first shard's padding. Each rank writes its ids into a
+    ``-inf`` row and a MAX all-reduce over the TP group assembles the vocabulary. Added-vocabulary
+    rows are not ranked (as in every DDTree port)."""
+    weight = lm_head.weight
+    shard = getattr(lm_head, "shard_indices", None)
+    if shard is None:
+        start, num = 0, min(int(weight.shape[0]), vocab_size)
+    else:
+        start, num = int(shard.org_vocab_start_index), int(shard.num_org_elements)
+    local = torch.matmul(hidden.to(weight.dtype), weight[:num].t()).float()
+    world = 1 if tp_group is None else int(tp_group.world_size)
+    if world == 1 and start == 0 and num == vocab_size:
+        return local
+    out = torch.full((hidden.shape[0], vocab_size), float("-inf"), device=local.device)
+    out[:, start: start + num] = local
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=tp_group.device_group)
+    return out
 
 
 class SGLangRoundModels:
@@ -41,15 +64,6 @@ class SGLangRoundModels:
     def draft_block(
         self, block_ids: Tensor, positions: Tensor, cache_loc: Tensor, req_pool_indices: Tensor
     ) -> Tensor:
-        from sglang.srt.model_executor.forward_batch_info import (
-            CaptureHiddenMode,
-            ForwardBatch,
-            ForwardMode,
-        )
-        from sglang.srt.speculative.dflash_worker_v2 import _resolve_dflash_embedding_module
-        from sglang.srt.speculative.draft_parallel import draft_tp_context
-        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
-
         w, batch = self.worker, self.batch
         bs, block = block_ids.shape
         target_model = w.target_worker.model_runner.model
@@ -97,7 +111,8 @@ class SGLangRoundModels:
         lm_head = target_model.lm_head
         vocab = int(w.model_runner.model_config.vocab_size)
         with draft_tp_context(w.draft_parallel_layout):
-            logits = full_vocab_logits(hidden[:, 1:].reshape(-1, hidden.shape[-1]), lm_head, vocab)
+            rows = hidden[:, 1:].reshape(-1, hidden.shape[-1])
+            logits = full_vocab_logits(rows, lm_head, vocab, get_parallel().tp_group)
         logits = logits.view(bs, block - 1, -1)
         root = torch.zeros((bs, 1, logits.shape[-1]), dtype=logits.dtype, device=logits.device)
         return torch.cat([root, logits], dim=1).view(bs * block, -1)  # slot 0 (bonus) is not read
@@ -106,9 +121,6 @@ class SGLangRoundModels:
     def target_verify(
         self, plan: TreeVerifyBatch, cache_loc: Tensor, req_pool_indices: Tensor
     ) -> tuple[Tensor, Tensor | None]:
-        from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
-        from sglang.srt.speculative.dflash_info import DFlashVerifyInput
-
         w, batch = self.worker, self.batch
         rows = plan.draft_token_num
         kv_plan = w.target_worker.model_runner.kv_index_translator.plan(

@@ -184,3 +184,86 @@ def test_grammar_requests_fail_with_the_reason():
     batch.has_grammar = True
     with pytest.raises(RuntimeError, match="grammar-constrained"):
         worker.forward_batch_generation(batch)
+
+
+def _shard_worker(rank: int, world: int, init_file: str, hidden, weight, out) -> None:
+    import torch.distributed as dist
+
+    from ddtree_runtime.sglang_plugin.sglang_round import full_vocab_logits
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    vocab, padded = weight.shape[0], 8  # 11 ids over 2 shards of 8 rows: 6 + 5 real, the rest padding
+    start = rank * 6
+    num = min(6, vocab - start)
+    local = torch.full((padded, weight.shape[1]), 100.0)  # padding rows would win every argmax
+    local[:num] = weight[start : start + num]
+    head = SimpleNamespace(
+        weight=local, shard_indices=SimpleNamespace(org_vocab_start_index=start, num_org_elements=num)
+    )
+    group = SimpleNamespace(world_size=world, device_group=dist.group.WORLD)
+    out[rank] = full_vocab_logits(hidden, head, vocab, group)
+    dist.destroy_process_group()
+
+
+def test_draft_logits_over_a_vocab_parallel_head_are_the_full_vocabulary(tmp_path):
+    import os
+
+    import torch.multiprocessing as mp
+
+    from ddtree_runtime.sglang_plugin.sglang_round import full_vocab_logits
+
+    g = torch.Generator().manual_seed(4)
+    hidden, weight = torch.randn(5, 3, generator=g), torch.randn(11, 3, generator=g)
+    want = hidden @ weight.T
+    single = full_vocab_logits(hidden, SimpleNamespace(weight=weight), 11)
+    assert torch.allclose(single, want)
+    out = mp.Manager().dict()
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    mp.spawn(_shard_worker, args=(2, str(tmp_path / "pg"), hidden, weight, out), nprocs=2, join=True)
+    for rank in range(2):
+        assert torch.allclose(out[rank], want), rank  # global ids, no padding column
+
+
+def test_the_gpu_adapter_speaks_the_pinned_releases_api():
+    """What cannot run here (no CUDA SGLang) is at least checked against the installed 0.5.23: the
+    adapter imports, and every keyword it passes exists in the callee's signature."""
+    import inspect
+
+    from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
+    from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+    from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+    from ddtree_runtime.sglang_plugin import sglang_round
+
+    source = inspect.getsource(sglang_round)
+
+    def kwargs_of(call: str) -> set[str]:
+        """Keyword names of the first ``call(...)`` in the adapter's source."""
+        import re
+
+        body = source[source.index(call + "(") + len(call) + 1 :]
+        depth = 1
+        for end, ch in enumerate(body):
+            depth += {"(": 1, ")": -1}.get(ch, 0)
+            if depth == 0:
+                return set(re.findall(r"^\s*(\w+)=", body[:end], flags=re.M))
+        raise AssertionError(f"unbalanced call {call}")
+
+    checks = {
+        "ForwardBatch": sglang_round.ForwardBatch,
+        "DFlashVerifyInput": DFlashVerifyInput,
+        "kv_index_translator.plan": KVIndexTranslator.plan,
+        "._append_target_hidden_to_draft_kv_by_loc": DFlashWorkerV2._append_target_hidden_to_draft_kv_by_loc,
+    }
+    for call, target in checks.items():
+        used = kwargs_of(call)
+        assert used, call
+        params = set(inspect.signature(target).parameters)
+        assert used <= params, (call, used - params)
+    for name in (
+        "_full_embed_gpu",
+        "_noise_embed_scale",
+        "_draft_block_spec_info",
+        "_target_logits_processor",
+    ):
+        assert name in inspect.getsource(DFlashWorkerV2.__init__), name
