@@ -189,6 +189,9 @@ def test_grammar_requests_fail_with_the_reason():
 def _shard_worker(rank: int, world: int, init_file: str, hidden, weight, out) -> None:
     import torch.distributed as dist
 
+    from tests.sglang._cpu_env import define_torchvision_op_schemas
+
+    define_torchvision_op_schemas()  # a fresh process imports SGLang (see _cpu_env)
     from ddtree_runtime.sglang_plugin.sglang_round import full_vocab_logits
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
