@@ -15,6 +15,7 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.runtime_context import get_parallel
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
 from sglang.srt.speculative.dflash_worker_v2 import _resolve_dflash_embedding_module
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import draft_tp_context
@@ -156,6 +157,11 @@ class SGLangRoundModels:
         target_lp = w._target_logits_processor
         if target_lp is not None and target_lp.is_deferred_shard(logits):
             logits = target_lp.finish_deferred_gather(logits)  # global vocabulary ids
+        # The request's own logit processors, penalties and bias, per verify row, as DFlash does
+        # (penalties see the committed prefix, not a row's tree ancestors: DFlash's approximation).
+        apply_dflash_verify_logits_adjustments(
+            next_token_logits=logits, sampling_info=batch.sampling_info, draft_token_num=rows
+        )
         hidden = logits_output.hidden_states
         logits_output.hidden_states = None  # consumed this round (the next forward reuses it)
         return logits, hidden

@@ -256,6 +256,7 @@ def test_the_gpu_adapter_speaks_the_pinned_releases_api():
         "ForwardBatch": sglang_round.ForwardBatch,
         "DFlashVerifyInput": DFlashVerifyInput,
         "kv_index_translator.plan": KVIndexTranslator.plan,
+        "apply_dflash_verify_logits_adjustments": sglang_round.apply_dflash_verify_logits_adjustments,
         "._append_target_hidden_to_draft_kv_by_loc": DFlashWorkerV2._append_target_hidden_to_draft_kv_by_loc,
     }
     for call, target in checks.items():
