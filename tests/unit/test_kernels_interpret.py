@@ -9,18 +9,26 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("triton")
 if torch.cuda.is_available():
     # tests/gpu covers the compiled kernels there; the interpreter flag below would turn every
     # Triton kernel of this process into the CPU interpreter.
     pytest.skip("CUDA present: the compiled kernels are tested in tests/gpu", allow_module_level=True)
-
-# Must be set before the kernel modules are imported (triton.jit reads it at decoration time).
+if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+    # triton.jit reads the flag when a function is decorated, triton.language's own helpers
+    # (tl.max, ...) included: once triton is imported without it, the interpreter cannot run.
+    pytest.skip(
+        "triton was imported earlier in this process without TRITON_INTERPRET=1 "
+        "(scripts/test.sh sets it for the whole run on machines without CUDA)",
+        allow_module_level=True,
+    )
+# Must be set before triton is imported (see above).
 os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
 
 from ddtree_runtime import kernels, tree  # noqa: E402
 
