@@ -148,6 +148,9 @@ def rollout(lab, wheelhouse, tmp_path_factory) -> Rollout:
         shutil.copy2(REPO / name, source / name)
     shutil.copytree(REPO / "ddtree_runtime", source / "ddtree_runtime",
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    # A shared session lab may carry a canary's shadow unit on 30001 (the profile-switch test's port).
+    for host in ("ct129", "ct130"):
+        lab.ssh(host, "systemctl disable --now sglang-qwen-shadow.service 2>/dev/null; true")
     return Rollout(lab, source)
 
 
