@@ -164,6 +164,16 @@ def _kernel_for(name: str, tensor: Any) -> Callable[..., Any] | None:
 # Build
 
 
+def check_build_inputs(draft_logits: Tensor, topk_cap: int | None) -> None:
+    """The argument checks every ``build_tree`` (plain or kernel) makes before any work."""
+    if draft_logits.dim() != 3:
+        raise ValueError(f"draft_logits must be [batch, L, V], got shape {tuple(draft_logits.shape)}")
+    if not draft_logits.is_floating_point():
+        raise ValueError(f"draft_logits must be a float tensor, got {draft_logits.dtype}")
+    if topk_cap is not None and topk_cap < 1:
+        raise ValueError(f"topk_cap must be >= 1 or None, got {topk_cap}")
+
+
 def topk_log_probs(draft_logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Top-``k`` fp32 log-probabilities per depth over the FULL vocabulary, sorted descending.
 
@@ -208,19 +218,14 @@ def build_tree(draft_logits: Tensor, budget: int, *, topk_cap: int | None = None
     are exact for real log-prob ranges, so the order does not depend on how a score was summed
     (the reference heap sums in Python floats along another path).
     """
+    check_build_inputs(draft_logits, topk_cap)
     kernel = _kernel_for("build_tree", draft_logits)
     # Shapes the build kernel does not cover (long horizons, very wide top-K) take the plain path.
-    if kernel is not None and draft_logits.dim() == 3:
+    if kernel is not None:
         from ddtree_runtime import kernels
 
         if kernels.supports_build(draft_logits.shape[1], budget, draft_logits.shape[2], topk_cap):
             return kernel(draft_logits, budget, topk_cap=topk_cap)
-    if draft_logits.dim() != 3:
-        raise ValueError(f"draft_logits must be [batch, L, V], got shape {tuple(draft_logits.shape)}")
-    if not draft_logits.is_floating_point():
-        raise ValueError(f"draft_logits must be a float tensor, got {draft_logits.dtype}")
-    if topk_cap is not None and topk_cap < 1:
-        raise ValueError(f"topk_cap must be >= 1 or None, got {topk_cap}")
     b, horizon, vocab = draft_logits.shape
     budget = max(int(budget), 0)
     device = draft_logits.device

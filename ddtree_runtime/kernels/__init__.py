@@ -59,12 +59,7 @@ def build_tree(draft_logits: Tensor, budget: int, *, topk_cap: int | None = None
     from .build import build_from_topk
     from .topk import topk_log_probs
 
-    if draft_logits.dim() != 3:
-        raise ValueError(f"draft_logits must be [batch, L, V], got shape {tuple(draft_logits.shape)}")
-    if not draft_logits.is_floating_point():
-        raise ValueError(f"draft_logits must be a float tensor, got {draft_logits.dtype}")
-    if topk_cap is not None and topk_cap < 1:
-        raise ValueError(f"topk_cap must be >= 1 or None, got {topk_cap}")
+    tree.check_build_inputs(draft_logits, topk_cap)
     _check_device(draft_logits, "draft_logits")
     b, horizon, vocab = draft_logits.shape
     budget = max(int(budget), 0)
