@@ -263,7 +263,16 @@ def test_one_hot_marginals_give_the_chain() -> None:
 
 
 class _FakeCuda:
+    """Stands for a [1, 15, 64] CUDA float tensor: dispatch only looks at these attributes."""
+
     is_cuda = True
+    shape = (1, 15, 64)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def is_floating_point(self) -> bool:
+        return True
 
 
 def test_dispatch_to_kernels_when_available(monkeypatch: pytest.MonkeyPatch) -> None:
