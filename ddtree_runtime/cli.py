@@ -40,7 +40,10 @@ def _register_all(modules: tuple[str, ...], subparsers: argparse._SubParsersActi
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ddtree", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="ddtree",
+        description="DDTree deploy toolkit: trees, probes, diagnosis, metrics, canary, fleet and the lab.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _register_all(_TOP_LEVEL, sub)
     lab = sub.add_parser("lab", help="the lab: tiny models, the lab engine server, lab hosts")
