@@ -45,6 +45,18 @@ def _worker_factory(server_args: Any) -> type:
     return DDTreeWorker
 
 
+_registration_complete = False
+
+
+def registration_complete() -> bool:
+    """True once every step of :func:`register_all` ran in this process.
+
+    SGLang's ``load_plugins()`` logs a plugin's exception and goes on, and DDTREE is known to
+    ``SpeculativeAlgorithm`` from the first step: a half-registered plugin looks alive.
+    """
+    return _registration_complete
+
+
 def register_all() -> None:
     import sglang
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -69,4 +81,6 @@ def register_all() -> None:
     register_site_hooks()
     register_server_info_hooks()
     include_in_spec_decode_snapshot(get_spec(ALGORITHM))
+    global _registration_complete
+    _registration_complete = True
     logger.info("ddtree-runtime: registered speculative algorithm %s", ALGORITHM)

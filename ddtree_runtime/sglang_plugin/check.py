@@ -1,0 +1,51 @@
+"""`python -m ddtree_runtime.sglang_plugin.check`: is DDTREE fully registered in this environment?
+
+The runtime role runs it in every new release venv before the rollout goes on. It loads SGLang's
+general plugins through the real entry-point discovery (as `sglang serve` does), then checks both
+that SGLang knows DDTREE and that our registration finished: SGLang only logs a plugin that raised
+half-way, and a missing import (a dependency left out of the venv) would otherwise pass unseen.
+Exit 0 when registered, 1 when not (the reason on stderr).
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main() -> int:
+    try:
+        import sglang
+        from sglang.srt.plugins import load_plugins
+    except ImportError as exc:
+        print(f"DDTREE plugin check: SGLang is not importable ({exc})", file=sys.stderr)
+        return 1
+    load_plugins()
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    from ddtree_runtime import __version__
+    from ddtree_runtime.sglang_plugin import ALGORITHM
+    from ddtree_runtime.sglang_plugin.registration import registration_complete
+
+    try:
+        SpeculativeAlgorithm.from_string(ALGORITHM)
+    except ValueError as exc:
+        print(
+            f"DDTREE plugin check: SGLang does not know {ALGORITHM} ({exc}). Is ddtree-runtime installed in "
+            "this venv, and is SGLANG_PLUGINS (if set) naming 'ddtree'?",
+            file=sys.stderr,
+        )
+        return 1
+    if not registration_complete():
+        print(
+            f"DDTREE plugin check: SGLang knows {ALGORITHM} but the plugin's registration did not finish "
+            "(see 'Failed to execute general plugin: ddtree' above: usually a module SGLang imports is "
+            "missing from this venv)",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"{ALGORITHM} registered (sglang {sglang.__version__}, ddtree-runtime {__version__})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
