@@ -5,6 +5,7 @@ general plugins through the real entry-point discovery (as `sglang serve` does),
 that SGLang knows DDTREE and that our registration finished: SGLang only logs a plugin that raised
 half-way, and a missing import (a dependency left out of the venv) would otherwise pass unseen.
 Exit 0 when registered, 1 when not (the reason on stderr).
+`--known-only` (the lab) accepts a registration that stopped after DDTREE became known.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from __future__ import annotations
 import sys
 
 
-def main() -> int:
+def main(*, require_complete: bool = True) -> int:
+    """``require_complete=False`` only asks that SGLang knows DDTREE: for the lab's SGLang, which is
+    installed without torchvision and the CUDA stack, so the later registration steps (they import
+    SGLang's scheduler modules) cannot finish there. Production keeps the full check."""
     try:
         import sglang
         from sglang.srt.plugins import load_plugins
@@ -36,6 +40,9 @@ def main() -> int:
         )
         return 1
     if not registration_complete():
+        if not require_complete:
+            print(f"{ALGORITHM} known to SGLang {sglang.__version__}; registration incomplete (allowed here)")
+            return 0
         print(
             f"DDTREE plugin check: SGLang knows {ALGORITHM} but the plugin's registration did not finish "
             "(see 'Failed to execute general plugin: ddtree' above: usually a module SGLang imports is "
@@ -48,4 +55,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(require_complete="--known-only" not in sys.argv[1:]))

@@ -23,3 +23,12 @@ def test_check_fails_on_a_half_finished_registration(sglang_plugins, capsys, mon
     assert sglang_plugins.from_string("DDTREE") is not None
     assert check.main() == 1
     assert "registration did not finish" in capsys.readouterr().err
+
+
+def test_known_only_accepts_a_half_finished_registration(sglang_plugins, capsys, monkeypatch):
+    # The lab's SGLang (no torchvision, no CUDA stack) cannot finish the later steps.
+    from ddtree_runtime.sglang_plugin import check, registration
+
+    monkeypatch.setattr(registration, "_registration_complete", False)
+    assert check.main(require_complete=False) == 0
+    assert "registration incomplete (allowed here)" in capsys.readouterr().out
