@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddtree_runtime.probe import DEFAULT_PROMPTS
+from ddtree_runtime.probe import DEFAULT_PROMPTS, Check
 
 EXIT_PROMOTE, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOT_READY = 0, 1, 2, 3
 SIDES = ("live", "shadow")
@@ -123,13 +123,6 @@ class Side:
             "latency_s": [_round(a.latency_s) for a in self.answers],
             "tokens_per_s": _round(self.tokens_per_s, 2),
         }
-
-
-@dataclass
-class Check:
-    name: str
-    ok: bool
-    detail: str
 
 
 @dataclass
