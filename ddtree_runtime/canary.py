@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddtree_runtime.probe import DEFAULT_PROMPTS, Check
+from ddtree_runtime.probe import DEFAULT_PROMPTS, Check, http_request
 
 EXIT_PROMOTE, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOT_READY = 0, 1, 2, 3
 SIDES = ("live", "shadow")
@@ -181,16 +181,6 @@ def _s(value: Any) -> str:
 # ---------------------------------------------------------------------------- HTTP
 
 
-def _http(url: str, *, payload: dict | None = None, timeout: float) -> tuple[int, bytes]:
-    data = None if payload is None else json.dumps(payload).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-
-
 def _base(url: str, flag: str) -> str:
     base = url.rstrip("/")
     parts = urllib.parse.urlsplit(base)
@@ -203,7 +193,7 @@ def wait_ready(side: Side, timeout: float, poll_s: float = 1.0) -> None:
     deadline, last = time.monotonic() + timeout, "no answer"
     while True:
         try:
-            status, _ = _http(f"{side.url}/health_generate", timeout=max(1.0, min(30.0, timeout)))
+            status, _ = http_request(f"{side.url}/health_generate", timeout=max(1.0, min(30.0, timeout)))
             if status == 200:
                 return
             last = f"HTTP {status}"
@@ -216,7 +206,7 @@ def wait_ready(side: Side, timeout: float, poll_s: float = 1.0) -> None:
 
 def read_server_info(side: Side, timeout: float) -> None:
     try:
-        status, body = _http(f"{side.url}/server_info", timeout=timeout)
+        status, body = http_request(f"{side.url}/server_info", timeout=timeout)
         info = json.loads(body) if status == 200 else {}
     except (urllib.error.URLError, OSError, ValueError):
         info = {}
@@ -232,7 +222,7 @@ def generate(side: Side, prompt: str, max_new_tokens: int, timeout: float) -> An
     payload = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens}}
     started = time.monotonic()
     try:
-        status, body = _http(f"{side.url}/generate", payload=payload, timeout=timeout)
+        status, body = http_request(f"{side.url}/generate", payload=payload, timeout=timeout)
     except (urllib.error.URLError, OSError) as exc:
         raise RuntimeError(f"{side.name}: POST /generate failed: {getattr(exc, 'reason', exc)}") from exc
     latency = time.monotonic() - started

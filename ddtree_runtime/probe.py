@@ -121,7 +121,7 @@ def static_probe(model_path: str, draft_model_path: str) -> Report:
 # ---------------------------------------------------------------------------- HTTP
 
 
-def _http(url: str, *, payload: dict | None = None, timeout: float) -> tuple[int, bytes]:
+def http_request(url: str, *, payload: dict | None = None, timeout: float) -> tuple[int, bytes]:
     """(status, body); HTTP errors are returned, connection errors raised (URLError/OSError)."""
     data = None if payload is None else json.dumps(payload).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
@@ -166,7 +166,7 @@ def wait_ready(base: str, timeout: float, report: Report, *, poll_s: float = 2.0
     while True:
         remaining = deadline - time.monotonic()
         try:
-            status, _ = _http(f"{base}/health_generate", timeout=max(1.0, min(30.0, remaining)))
+            status, _ = http_request(f"{base}/health_generate", timeout=max(1.0, min(30.0, remaining)))
             reached, refused_after_reached = True, False
             if status == 200:
                 report.figures["ready_seconds"] = round(time.monotonic() - start, 3)
@@ -203,7 +203,7 @@ def _generate(base: str, prompts: list[str], max_new_tokens: int, timeout: float
     for prompt in prompts:
         payload = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens}}
         try:
-            status, body = _http(f"{base}/generate", payload=payload, timeout=timeout)
+            status, body = http_request(f"{base}/generate", payload=payload, timeout=timeout)
         except (urllib.error.URLError, OSError) as exc:
             report.check("generate", False, f"POST /generate failed: {getattr(exc, 'reason', exc)}",
                          "generation_failed")
@@ -240,7 +240,7 @@ def _accept_length(metas: list[dict], info: dict, base: str, timeout: float) -> 
     if states:
         return sum(map(float, states)) / len(states), "server_info internal_states"
     try:
-        status, body = _http(f"{base}/metrics", timeout=timeout)
+        status, body = http_request(f"{base}/metrics", timeout=timeout)
     except (urllib.error.URLError, OSError):
         return None, "not reported"
     if status == 200:
@@ -286,7 +286,7 @@ def live_probe(url: str, *, timeout: float = 600, min_accept_length: float | Non
     metas = _generate(base, list(prompts or DEFAULT_PROMPTS), max_new_tokens, request_timeout, report)
     if not report.ok:
         return report
-    status, body = _http(f"{base}/server_info", timeout=request_timeout)
+    status, body = http_request(f"{base}/server_info", timeout=request_timeout)
     info = _json(body)
     if status != 200 or not isinstance(info, dict):
         report.check("server_info", False, f"/server_info HTTP {status}", "server_info_unavailable")
