@@ -37,7 +37,6 @@ def _stages(mod: Any, draft: Any, target: Any, roots: Any, prefix: Any, budget: 
     """The kernel round cut into its launches, for the per-stage breakdown."""
     from ddtree_runtime.kernels.build import build_from_topk
     from ddtree_runtime.kernels.topk import topk_log_probs
-    from ddtree_runtime.kernels.walk import target_argmax_partials
 
     k = min(budget, draft.shape[-1])
     lp, ids = topk_log_probs(draft, k)
@@ -47,7 +46,6 @@ def _stages(mod: Any, draft: Any, target: Any, roots: Any, prefix: Any, budget: 
         "topk_lse": lambda: topk_log_probs(draft, k),
         "build": lambda: build_from_topk(lp, ids, budget),
         "compile": lambda: mod.compile_tree(tree, roots, prefix),
-        "target_argmax": lambda: target_argmax_partials(target),
         "walk": lambda: mod.walk_greedy(tree, target),
         "commit": lambda: mod.commit_plan(walk, prefix),
     }
@@ -140,6 +138,7 @@ def bench_tree_case(
     import torch
 
     from ddtree_runtime import kernels, tree
+    from ddtree_runtime.kernels.walk import use_lazy_walk
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -198,7 +197,7 @@ def bench_tree_case(
         "plain_min_us": p_stats["min_us"],
         "speedup_median": round(p_stats["median_us"] / k_stats["median_us"], 1),
         "kernel_stages_median_us": stages,
-        "kernel_excl_target_argmax_us": round(k_stats["median_us"] - stages["target_argmax"], 2),
+        "walk_path": "lazy" if use_lazy_walk(batch, budget, horizon, vocab, 2) else "full",
         "torch_topk_after_log_softmax_us": _stats(ref_times)["median_us"],
         "identical": _same(kernel_out, plain_out),
         # Where they differ: does each path's top-K equal the fully ordered one (stable sort by

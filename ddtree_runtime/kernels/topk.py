@@ -1,16 +1,24 @@
-"""Fused per-depth top-K and fp32 log-softmax over the full vocabulary (split-V, two launches).
+"""Fused per-depth top-K and fp32 log-softmax over the full vocabulary: three launches, no sorts.
 
-Launch 1, one program per (row, chunk of V): an online max / sum-exp of the chunk and its local
-top-K. Sorting every tile would cost far more than reading it, so the program first finds a lower
-bound of its K-th key from group maxima, then sorts only the few keys above it (all keys of the
-chunk when ties leave too many). Launch 2, one program per row: combine the chunks' (max,
-sum-exp) into the row's logsumexp and merge their top-K lists into the row's. The logits are read
-twice (the second time mostly from L2).
+Measured on the H200 (``scripts/kernels/primitives_bench.py``): inside one program a bitonic
+``tl.sort`` of 1024 int64 keys costs ~9 us and ``tl.topk`` of 4096 -> 64 ~22 us, while one pass
+over a row costs a few us. So nothing here sorts:
 
-Order: log-prob descending, equal log-probs by ascending token id (``tree.topk_log_probs``).
-Selection runs on 64-bit keys (order-preserving float bits, then the inverted id), so one integer
-sort gives exactly that order; the log-prob is ``(x - max) - log(sum)`` in fp32 as PyTorch's
-log_softmax computes it.
+1. ``_chunk_kernel``, grid (row, chunk of V): one streaming pass that keeps the chunk's max and
+   sum-exp and appends every key above a running bound to a scratch buffer. When the buffer fills,
+   the bound rises to the smallest of KC strided-group maxima of the buffer (at least KC keys
+   are >= it) and the keys below it are dropped. Most tiles only compare against the bound.
+   Small K: the chunk's exact KC-th key by all-pairs ranking at the end.
+2. ``_gather_kernel``, one program per row: the row's logsumexp from the chunks' (max, sum-exp);
+   tau = the highest chunk bound (the row's K-th key is above it); the chunks' keys above tau
+   compacted into one candidate list.
+3. ``_rank_kernel``, grid (row, P): every candidate's log-prob, and its rank among the row's
+   candidates by (log-prob descending, id ascending), counted pairwise; rank < k is written to
+   its place. Ranks are unique (ids are), so the output is exactly the stable order.
+
+Keys are int64: order-preserving float bits, then the inverted id, so one integer comparison
+orders by value and then by lower id. The log-prob is ``(x - max) - log(sum)`` in fp32 as
+PyTorch's log_softmax computes it.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 _PAD_KEY = tl.constexpr(-(2**63))  # below every real key (a real -inf still sorts above it)
+TILE = 2048
 
 
 @triton.jit
@@ -42,89 +51,134 @@ def _decode(key):
 
 
 @triton.jit
+def _tighten(scratch, count, KC: tl.constexpr, CAP: tl.constexpr, EXN: tl.constexpr):
+    """Raise the buffer's bound and drop the keys below it (needs count >= KC).
+
+    First the smallest of KC strided-group maxima (group g holds slots g, g + KC, ...: each has a
+    real key, so at least KC keys are >= it); then, when at most EXN keys remain, the exact KC-th
+    key by pairwise ranking. Returns (new count, new bound): the buffer then holds exactly the
+    chunk's keys seen so far that are > bound, and at least KC of them.
+    """
+    tl.debug_barrier()  # the appends (by every thread) are complete
+    slots = tl.arange(0, CAP)
+    live = slots < count
+    buf = tl.load(scratch + slots, mask=live, other=_PAD_KEY)
+    bound = tl.min(tl.max(tl.reshape(buf, [CAP // KC, KC]), axis=0), axis=0) - 1
+    keep = live & (buf > bound)
+    pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    tl.debug_barrier()  # every thread has read the buffer before it is overwritten in place
+    tl.store(scratch + pos, buf, mask=keep)
+    count = tl.sum(keep.to(tl.int32), axis=0)
+    if EXN > 0:  # noqa: SIM102 (a constexpr branch around a runtime one)
+        if count <= EXN:
+            tl.debug_barrier()
+            i = tl.arange(0, EXN)
+            ki = tl.load(scratch + i, mask=i < count, other=_PAD_KEY)
+            rank = tl.zeros([EXN], tl.int32)
+            for j0 in tl.static_range(0, EXN, 32):
+                j = j0 + tl.arange(0, 32)
+                kj = tl.load(scratch + j, mask=j < count, other=_PAD_KEY)
+                rank += tl.sum((kj[None, :] > ki[:, None]).to(tl.int32), axis=1)
+            top = (i < count) & (rank < KC)
+            bound = tl.min(tl.where(top, ki, 2**63 - 1), axis=0) - 1
+            tl.debug_barrier()
+            tl.store(scratch + rank, ki, mask=top)  # the KC best, best first
+            count = tl.sum(top.to(tl.int32), axis=0)
+    tl.debug_barrier()
+    return count, bound
+
+
+@triton.jit
 def _chunk_kernel(
     x_ptr,
     row_stride,
     vocab,
     chunk,
     n_chunks,
-    keys_ptr,
+    scratch_ptr,  # [rows, n_chunks, CAP] int64
+    count_ptr,  # [rows, n_chunks] int32: keys in the buffer
+    bound_ptr,  # [rows, n_chunks] int64: the buffer holds every chunk key > bound
     max_ptr,
     sum_ptr,
-    scratch_ptr,
     KC: tl.constexpr,
     TILE: tl.constexpr,
     CAP: tl.constexpr,
+    FINAL: tl.constexpr,  # tighten down to this many keys at the end
+    EXN: tl.constexpr,  # exact KC-th key when at most this many remain (0: never)
 ):
     row = tl.program_id(0)
     ch = tl.program_id(1)
     base = x_ptr + row.to(tl.int64) * row_stride
+    slot = row.to(tl.int64) * n_chunks + ch
+    scratch = scratch_ptr + slot * CAP
     start = ch * chunk
-    # Pass 1: the chunk's max / sum-exp and the KC largest of its group maxima (groups of
-    # TILE // KC keys). Their smallest, thr, is a lower bound of the chunk's KC-th key.
-    group_top = tl.full([KC], _PAD_KEY, tl.int64)
-    m = tl.full([], float("-inf"), tl.float32)
-    s = tl.full([], 0.0, tl.float32)
-    for t in range(0, chunk, TILE):
-        offs = start + t + tl.arange(0, TILE)
-        mask = offs < vocab
-        x = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32)
-        new_m = tl.maximum(m, tl.max(x, axis=0))
-        safe = tl.where(new_m == float("-inf"), 0.0, new_m)  # all -inf so far: keep the sum at 0
-        s = s * tl.exp(m - safe) + tl.sum(tl.exp(x - safe), axis=0)
-        m = new_m
-        keys = tl.where(mask, _encode(x, offs), _PAD_KEY)
-        group_max = tl.max(tl.reshape(keys, [KC, TILE // KC]), axis=1)
-        group_top = tl.topk(tl.reshape(tl.join(group_top, group_max), [2 * KC]), KC)
-    thr = tl.min(group_top, axis=0)
-    # Pass 2 (the chunk again, from L2): compact the keys >= thr into this program's scratch.
-    scratch = scratch_ptr + (row.to(tl.int64) * n_chunks + ch) * CAP
+    # Per-lane running max and sum-exp: no reduction per tile for the logsumexp.
+    m_lane = tl.full([TILE], float("-inf"), tl.float32)
+    s_lane = tl.zeros([TILE], tl.float32)
     count = tl.full([], 0, tl.int32)
+    bound = tl.full([], _PAD_KEY, tl.int64)
+    bound_x = tl.full([], float("-inf"), tl.float32)  # value part of bound + 1: a cheap pre-filter
     for t in range(0, chunk, TILE):
         offs = start + t + tl.arange(0, TILE)
         mask = offs < vocab
         x = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32)
-        keys = _encode(x, offs)
-        sel = mask & (keys >= thr)
-        pos = count + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-        tl.store(scratch + pos, keys, mask=sel & (pos < CAP))
-        count += tl.sum(sel.to(tl.int32), axis=0)
-    tl.debug_barrier()  # the scratch written above is read back by other threads
-    if count <= CAP:
-        slots = tl.arange(0, CAP)
-        cand = tl.load(scratch + slots, mask=slots < count, other=_PAD_KEY)
-        top = tl.topk(cand, KC)
-    else:  # many equal values: select over the whole chunk, tile by tile
-        top = tl.full([KC], _PAD_KEY, tl.int64)
-        for t2 in range(0, chunk, TILE):
-            offs2 = start + t2 + tl.arange(0, TILE)
-            mask2 = offs2 < vocab
-            x2 = tl.load(base + offs2, mask=mask2, other=float("-inf")).to(tl.float32)
-            tile_top = tl.where(mask2, _encode(x2, offs2), _PAD_KEY)
-            if TILE > KC:
-                tile_top = tl.topk(tile_top, KC)
-            top = tl.topk(tl.reshape(tl.join(top, tile_top), [2 * KC]), KC)
-    out = (row.to(tl.int64) * n_chunks + ch) * KC
-    tl.store(keys_ptr + out + tl.arange(0, KC), top)
-    tl.store(max_ptr + row * n_chunks + ch, m)
-    tl.store(sum_ptr + row * n_chunks + ch, s)
+        up = x > m_lane
+        d = tl.where(up, m_lane - x, x - m_lane)
+        e = tl.exp(tl.where(x == float("-inf"), float("-inf"), d))  # -inf - -inf would be NaN
+        s_lane = tl.where(up, s_lane * e + 1.0, s_lane + e)
+        m_lane = tl.maximum(m_lane, x)
+        pre = mask & (x >= bound_x)
+        if tl.max(pre.to(tl.int32), axis=0) > 0:
+            keys = _encode(x, offs)
+            sel = pre & (keys > bound)
+            n = tl.sum(sel.to(tl.int32), axis=0)
+            if (count == 0) & (n == TILE):
+                # First full tile: its KC strided-group maxima bound its KC-th key from below.
+                bound = tl.min(tl.max(tl.reshape(keys, [TILE // KC, KC]), axis=0), axis=0) - 1
+                sel = sel & (keys > bound)
+                n = tl.sum(sel.to(tl.int32), axis=0)
+            while count + n > CAP:  # no room: raise the bound (count > CAP - TILE >= 2 KC: progress)
+                count, bound = _tighten(scratch, count, KC, CAP, EXN)
+                sel = sel & (keys > bound)
+                n = tl.sum(sel.to(tl.int32), axis=0)
+            bound_x, _ = _decode(bound + 1)
+            bound_x = tl.where(bound_x == bound_x, bound_x, float("-inf"))  # no bound yet: NaN bits
+            pos = count + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            tl.store(scratch + pos, keys, mask=sel)
+            count += n
+    rounds = 0
+    while (count > FINAL) & (rounds < 8):
+        count, bound = _tighten(scratch, count, KC, CAP, EXN)
+        rounds += 1
+    if EXN > 0:  # noqa: SIM102 (a constexpr branch around a runtime one)
+        if (count > KC) & (count <= EXN):  # the exact step has not run on these keys yet
+            count, bound = _tighten(scratch, count, KC, CAP, EXN)
+    m = tl.max(m_lane, axis=0)
+    safe = tl.where(m == float("-inf"), 0.0, m)  # all -inf: the sum stays 0
+    s = tl.sum(s_lane * tl.exp(m_lane - safe), axis=0)
+    tl.store(count_ptr + slot, count)
+    tl.store(bound_ptr + slot, bound)
+    tl.store(max_ptr + slot, m)
+    tl.store(sum_ptr + slot, s)
 
 
 @triton.jit
-def _merge_kernel(
-    keys_ptr,
+def _gather_kernel(
+    scratch_ptr,
+    count_ptr,
+    bound_ptr,
     max_ptr,
     sum_ptr,
     n_chunks,
-    k,
-    lp_ptr,
-    ids_ptr,
-    KC: tl.constexpr,
+    cand_ptr,  # [rows, n_chunks * CAP] int64 out: the row's keys above tau
+    ncand_ptr,  # [rows] int32 out
+    lse_ptr,  # [rows, 2] fp32 out: max, log(sum-exp)
+    CAP: tl.constexpr,
     NCP: tl.constexpr,
-    NB: tl.constexpr,
+    BJ: tl.constexpr,
     PRECISE_LOG: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     cs = tl.arange(0, NCP)
     cmask = cs < n_chunks
     cm = tl.load(max_ptr + row * n_chunks + cs, mask=cmask, other=float("-inf"))
@@ -138,56 +192,108 @@ def _merge_kernel(
         log_sum = libdevice.log(total)
     else:
         log_sum = tl.log(total)
-    top = tl.full([KC], _PAD_KEY, tl.int64)
-    base = keys_ptr + row.to(tl.int64) * n_chunks * KC
-    lanes = tl.arange(0, KC)
-    # NB chunks' lists per step: one wide sort instead of a long chain of small ones.
-    for c0 in range(0, n_chunks, NB):
-        cidx = c0 + tl.arange(0, NB)
-        block = tl.load(
-            base + cidx[:, None] * KC + lanes[None, :], mask=cidx[:, None] < n_chunks, other=_PAD_KEY
-        )
-        block = tl.reshape(block, [NB * KC])
-        if NB > 1:
-            block = tl.topk(block, KC)
-        top = tl.topk(tl.reshape(tl.join(top, block), [2 * KC]), KC)
-    x, ids = _decode(top)
+    tl.store(lse_ptr + row * 2, m)
+    tl.store(lse_ptr + row * 2 + 1, log_sum)
+    tau = tl.max(tl.load(bound_ptr + row * n_chunks + cs, mask=cmask, other=_PAD_KEY), axis=0)
+    counts = tl.load(count_ptr + row * n_chunks + cs, mask=cmask, other=0)
+    out = cand_ptr + row * n_chunks * CAP
+    # Every chunk's first BJ keys at once (the common case: each holds at most BJ), then the rest.
+    js = tl.arange(0, BJ)
+    blk = tl.load(
+        scratch_ptr + (row * n_chunks + cs[:, None]) * CAP + js[None, :],
+        mask=js[None, :] < counts[:, None],
+        other=_PAD_KEY,
+    )
+    keep = tl.reshape(blk > tau, [NCP * BJ])
+    blk = tl.reshape(blk, [NCP * BJ])
+    pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    tl.store(out + pos, blk, mask=keep)
+    n = tl.sum(keep.to(tl.int32), axis=0)
+    if tl.max(counts, axis=0) > BJ:
+        for c in range(n_chunks):
+            cnt = tl.load(count_ptr + row * n_chunks + c)
+            for j0 in range(BJ, cnt, BJ):
+                j = j0 + js
+                key = tl.load(scratch_ptr + (row * n_chunks + c) * CAP + j, mask=j < cnt, other=_PAD_KEY)
+                more = key > tau
+                at = n + tl.cumsum(more.to(tl.int32), axis=0) - 1
+                tl.store(out + at, key, mask=more)
+                n += tl.sum(more.to(tl.int32), axis=0)
+    tl.store(ncand_ptr + row, n)
+
+
+@triton.jit
+def _lp_key(key, m, log_sum):
+    x, ids = _decode(key)
     lp = (x - m) - log_sum
-    # Re-sort by the log-prob itself: distinct logits can round to one log-prob, which then ties.
-    ranks = tl.arange(0, KC)
-    lp = tl.where(ranks < k, lp, float("-inf"))
-    final = tl.sort(tl.where(ranks < k, _encode(lp, ids), _PAD_KEY), descending=True)
-    lp, ids = _decode(final)
-    out = row.to(tl.int64) * k
-    tl.store(lp_ptr + out + ranks, lp, mask=ranks < k)
-    tl.store(ids_ptr + out + ranks, ids, mask=ranks < k)
+    return tl.where(key == _PAD_KEY, _PAD_KEY, _encode(lp, ids)), lp, ids
+
+
+@triton.jit
+def _rank_kernel(
+    cand_ptr,
+    ncand_ptr,
+    lse_ptr,
+    cand_stride,
+    k,
+    lp_ptr,  # [rows, k] fp32 out
+    ids_ptr,  # [rows, k] int64 out
+    BI: tl.constexpr,
+    BJ: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    parts = tl.num_programs(1)
+    n = tl.load(ncand_ptr + row)
+    m = tl.load(lse_ptr + row * 2)
+    log_sum = tl.load(lse_ptr + row * 2 + 1)
+    cand = cand_ptr + row * cand_stride
+    for i0 in range(part * BI, n, parts * BI):
+        i = i0 + tl.arange(0, BI)
+        ki, lp, ids = _lp_key(tl.load(cand + i, mask=i < n, other=_PAD_KEY), m, log_sum)
+        rank = tl.zeros([BI], tl.int32)
+        for j0 in range(0, n, BJ):
+            j = j0 + tl.arange(0, BJ)
+            kj, _, _ = _lp_key(tl.load(cand + j, mask=j < n, other=_PAD_KEY), m, log_sum)
+            rank += tl.sum((kj[None, :] > ki[:, None]).to(tl.int32), axis=1)
+        ok = (i < n) & (rank < k)
+        tl.store(lp_ptr + row * k + rank, lp, mask=ok)
+        tl.store(ids_ptr + row * k + rank, ids, mask=ok)
 
 
 def _pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def plan(rows: int, vocab: int, k: int) -> tuple[int, int, int]:
-    """(KC, TILE, chunk): per-chunk list size, tile width, chunk length (a multiple of TILE).
+def plan(rows: int, vocab: int, k: int, tile: int = TILE) -> tuple[int, int, int]:
+    """(KC, TILE, chunk): per-chunk key count, tile width, chunk length (a multiple of TILE).
 
-    Enough chunks to give every multiprocessor a few programs, few enough that the merge stays short.
+    Enough chunks to give every multiprocessor a couple of programs; few for a large K, whose
+    chunk bounds are loose (each chunk keeps ~2 KC keys, and the row's candidates add up).
     """
     kc = max(_pow2(k), 16)
-    tile = max(kc, 4096 if kc <= 256 else 2 * kc)
-    tile = min(tile, max(_pow2(vocab), kc))
+    tile = max(min(tile, _pow2(vocab)), kc)  # at least KC: the first tile's group bound needs it
     tiles = triton.cdiv(vocab, tile)
-    want_chunks = max(1, min(tiles, triton.cdiv(528, rows), 64))
+    most = 16 if kc <= 128 else (4 if kc <= 256 else 2)
+    # ...and chunks of at least 16 KC keys: the candidates (~2 KC per chunk) are ranked pairwise.
+    most = min(most, max(1, vocab // (16 * kc)))
+    want_chunks = max(1, min(tiles, triton.cdiv(264, max(rows, 1)), most))
     chunk = triton.cdiv(tiles, want_chunks) * tile
     return kc, tile, chunk
 
 
 def topk_log_probs(
-    logits: torch.Tensor, k: int, *, chunk: int | None = None, cap: int | None = None
+    logits: torch.Tensor,
+    k: int,
+    *,
+    chunk: int | None = None,
+    cap: int | None = None,
+    tile: int = TILE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[..., V]`` float logits -> (fp32 log-probs, int64 ids) ``[..., k]``, as tree.topk_log_probs.
 
-    ``chunk`` (a multiple of the tile) and ``cap`` (scratch slots per chunk; small = the exact
-    fallback always) override the plan, for tests.
+    ``chunk`` (a multiple of the tile), ``cap`` (buffer slots per chunk, a power of two of at
+    least 2 * KC + tile: small = frequent tightening) and ``tile`` override the plan, for tests.
     """
     vocab = logits.shape[-1]
     if not 1 <= k <= vocab:
@@ -197,25 +303,41 @@ def topk_log_probs(
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows = x.shape[0]
-    kc, tile, planned = plan(rows, vocab, k)
+    if tile < 16 or tile & (tile - 1):
+        raise ValueError(f"tile must be a power of two >= 16, got {tile}")
+    kc, tile, planned = plan(rows, vocab, k, tile)
     chunk = chunk or planned
+    cap = cap or _pow2(2 * kc + tile)
+    if cap < 2 * kc + tile or cap & (cap - 1):
+        raise ValueError(f"cap must be a power of two >= 2 * KC + tile = {2 * kc + tile}, got {cap}")
     n_chunks = triton.cdiv(vocab, chunk)
     dev = x.device
-    keys = torch.empty((rows, n_chunks, kc), dtype=torch.int64, device=dev)
-    cap = cap or 4 * kc
     scratch = torch.empty((rows, n_chunks, cap), dtype=torch.int64, device=dev)
+    count = torch.empty((rows, n_chunks), dtype=torch.int32, device=dev)
+    bound = torch.empty((rows, n_chunks), dtype=torch.int64, device=dev)
     cmax = torch.empty((rows, n_chunks), dtype=torch.float32, device=dev)
     csum = torch.empty((rows, n_chunks), dtype=torch.float32, device=dev)
+    cand = torch.empty((rows, n_chunks * cap), dtype=torch.int64, device=dev)
+    ncand = torch.empty((rows,), dtype=torch.int32, device=dev)
+    lse = torch.empty((rows, 2), dtype=torch.float32, device=dev)
     lp = torch.empty((rows, k), dtype=torch.float32, device=dev)
     ids = torch.empty((rows, k), dtype=torch.int64, device=dev)
     if rows:
+        final = 2 * kc
+        exn = 512 if kc <= 128 else 0
+        warps = 4 if cap <= 4096 else 8
         _chunk_kernel[(rows, n_chunks)](
-            x, x.stride(0), vocab, chunk, n_chunks, keys, cmax, csum, scratch,
-            KC=kc, TILE=tile, CAP=cap, num_warps=8,
+            x, x.stride(0), vocab, chunk, n_chunks, scratch, count, bound, cmax, csum,
+            KC=kc, TILE=tile, CAP=cap, FINAL=final if exn == 0 else exn, EXN=exn, num_warps=warps,
         )
-        _merge_kernel[(rows,)](
-            keys, cmax, csum, n_chunks, k, lp, ids,
-            KC=kc, NCP=max(_pow2(n_chunks), 2), NB=min(max(4096 // kc, 1), _pow2(n_chunks)),
-            PRECISE_LOG=os.environ.get("TRITON_INTERPRET") != "1", num_warps=8,
+        ncp = max(_pow2(n_chunks), 2)
+        bj = max(min(kc if exn else _pow2(final), 4096 // ncp), 16)
+        _gather_kernel[(rows,)](
+            scratch, count, bound, cmax, csum, n_chunks, cand, ncand, lse,
+            CAP=cap, NCP=ncp, BJ=bj, PRECISE_LOG=os.environ.get("TRITON_INTERPRET") != "1", num_warps=4,
+        )
+        parts = max(1, min(triton.cdiv(n_chunks * kc, 64), triton.cdiv(1056, rows)))
+        _rank_kernel[(rows, parts)](
+            cand, ncand, lse, n_chunks * cap, k, lp, ids, BI=64, BJ=128, num_warps=4,
         )
     return lp.reshape(*lead, k), ids.reshape(*lead, k)

@@ -94,6 +94,43 @@ def test_topk_log_probs_is_the_stable_order(shape, k, dtype, kind):
         assert torch.equal(ids, tree.topk_log_probs(x, k)[1])
 
 
+@pytest.mark.parametrize(
+    ("k", "variant", "opts"),
+    [
+        (16, "planned", {}),
+        (64, "planned", {}),
+        (300, "planned", {}),
+        (16, "small tiles, many chunks", {"tile": 256, "chunk": 512}),  # 40 chunks per row
+        (64, "small tiles, many chunks", {"tile": 256, "chunk": 2048}),
+        (16, "tight buffer", {"tile": 256, "cap": "min"}),  # the bound rises many times mid-stream
+        (100, "tight buffer", {"tile": 256, "cap": "min"}),
+        (300, "tight buffer", {"tile": 256, "cap": "min"}),
+    ],
+)
+@pytest.mark.parametrize("kind", ["randn", "ties", "masked"])
+def test_topk_streaming_paths(k, variant, opts, kind):
+    """Rows long enough that every path runs: mid-stream tightening, many chunks, exact bound."""
+    from ddtree_runtime.kernels.topk import plan, topk_log_probs
+
+    gen = torch.Generator().manual_seed(k)
+    vocab = 20000
+    if kind == "ties":  # few distinct values: ties inside the top-K and at its cut
+        x = torch.randint(0, 40, (3, vocab), generator=gen).float().to(torch.bfloat16)
+    else:
+        x = (torch.randn((3, vocab), generator=gen) * 2).to(torch.bfloat16)
+        if kind == "masked":
+            x[:, ::3] = float("-inf")
+            x[1, 5000:] = float("-inf")  # a row whose top-K sits in the first chunks
+    opts = dict(opts)
+    if opts.get("cap") == "min":
+        kc, tile, _ = plan(3, vocab, k, opts["tile"])
+        opts["cap"] = 1 << (2 * kc + tile - 1).bit_length()
+    lp, ids = topk_log_probs(x, k, **opts)
+    want_lp, want_ids = stable_topk(x, k)
+    assert torch.equal(ids, want_ids), variant
+    torch.testing.assert_close(lp, want_lp, rtol=0, atol=2e-6)
+
+
 def test_topk_rejects_k_out_of_range():
     from ddtree_runtime.kernels.topk import topk_log_probs
 
@@ -194,6 +231,35 @@ def test_round_matches_plain_path(b, horizon, vocab, budget, cap, page_size, dty
     for name, g, w in zip(("tree", "verify", "walk", "plan"), got, want, strict=True):
         assert_same(g, w, name)
     assert int(got[2].num_accepted.max()) > 1
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+@pytest.mark.parametrize(
+    ("b", "horizon", "vocab", "budget"), [(3, 5, 9000, 40), (2, 3, 300, 12), (1, 1, 50, 3)]
+)
+def test_walk_full_and_lazy_match_plain(b, horizon, vocab, budget, lazy):
+    """Both walks (the full argmax, and the per-depth launches that read only visited rows)."""
+    from ddtree_runtime.kernels.walk import walk_arrays
+
+    gen = torch.Generator().manual_seed(b * 100 + vocab)
+    draft = torch.randn(b, horizon, vocab, generator=gen)
+    t = tree.build_tree(draft, budget)
+    target = torch.randn(b, budget + 1, vocab, generator=gen).to(torch.bfloat16)
+    target[0, :, 7] = target[0, :, :].max(-1).values  # argmax ties: the first occurrence wins
+    for r in range(b):  # the target follows the tree at most rows: deep walks
+        for node in range(budget + 1):
+            kids = (t.parents[r, 1:] == node).nonzero().flatten()
+            if len(kids) and torch.rand((), generator=gen) < 0.8:
+                target[r, node, t.tokens[r, kids[0]]] = 20.0
+    want = tree.walk_greedy(t, target)
+    acc, num, bonus, emit, num_emit = walk_arrays(t.tokens, t.parents, horizon, target, lazy=lazy)
+    assert torch.equal(acc, want.accepted)
+    assert torch.equal(num, want.num_accepted)
+    assert torch.equal(bonus, want.bonus)
+    assert torch.equal(emit, want.emitted)
+    assert torch.equal(num_emit, want.num_emitted)
+    if horizon > 1:
+        assert int(num.max()) > 1
 
 
 def test_empty_budget_gives_root_only():
