@@ -24,6 +24,7 @@ PyTorch's log_softmax computes it.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -112,9 +113,8 @@ def _chunk_kernel(
     slot = row.to(tl.int64) * n_chunks + ch
     scratch = scratch_ptr + slot * CAP
     start = ch * chunk
-    # Per-lane running max and sum-exp: no reduction per tile for the logsumexp.
-    m_lane = tl.full([TILE], float("-inf"), tl.float32)
-    s_lane = tl.zeros([TILE], tl.float32)
+    m = tl.full([], float("-inf"), tl.float32)
+    s = tl.full([], 0.0, tl.float32)
     count = tl.full([], 0, tl.int32)
     bound = tl.full([], _PAD_KEY, tl.int64)
     bound_x = tl.full([], float("-inf"), tl.float32)  # value part of bound + 1: a cheap pre-filter
@@ -122,11 +122,11 @@ def _chunk_kernel(
         offs = start + t + tl.arange(0, TILE)
         mask = offs < vocab
         x = tl.load(base + offs, mask=mask, other=float("-inf")).to(tl.float32)
-        up = x > m_lane
-        d = tl.where(up, m_lane - x, x - m_lane)
-        e = tl.exp(tl.where(x == float("-inf"), float("-inf"), d))  # -inf - -inf would be NaN
-        s_lane = tl.where(up, s_lane * e + 1.0, s_lane + e)
-        m_lane = tl.maximum(m_lane, x)
+        # Online max / sum-exp. (Per-lane accumulators, reduced once at the end, measured slower.)
+        new_m = tl.maximum(m, tl.max(x, axis=0))
+        safe = tl.where(new_m == float("-inf"), 0.0, new_m)  # all -inf so far: keep the sum at 0
+        s = s * tl.exp(m - safe) + tl.sum(tl.exp(x - safe), axis=0)
+        m = new_m
         pre = mask & (x >= bound_x)
         if tl.max(pre.to(tl.int32), axis=0) > 0:
             keys = _encode(x, offs)
@@ -153,9 +153,6 @@ def _chunk_kernel(
     if EXN > 0:  # noqa: SIM102 (a constexpr branch around a runtime one)
         if (count > KC) & (count <= EXN):  # the exact step has not run on these keys yet
             count, bound = _tighten(scratch, count, KC, CAP, EXN)
-    m = tl.max(m_lane, axis=0)
-    safe = tl.where(m == float("-inf"), 0.0, m)  # all -inf: the sum stays 0
-    s = tl.sum(s_lane * tl.exp(m_lane - safe), axis=0)
     tl.store(count_ptr + slot, count)
     tl.store(bound_ptr + slot, bound)
     tl.store(max_ptr + slot, m)
@@ -295,6 +292,16 @@ def topk_log_probs(
     ``chunk`` (a multiple of the tile), ``cap`` (buffer slots per chunk, a power of two of at
     least 2 * KC + tile: small = frequent tightening) and ``tile`` override the plan, for tests.
     """
+    launches, lp, ids = topk_launches(logits, k, chunk=chunk, cap=cap, tile=tile)
+    for _, launch in launches:
+        launch()
+    return lp, ids
+
+
+def topk_launches(
+    logits: torch.Tensor, k: int, *, chunk: int | None = None, cap: int | None = None, tile: int = TILE
+) -> tuple[list[tuple[str, Callable[[], None]]], torch.Tensor, torch.Tensor]:
+    """The three launches of :func:`topk_log_probs`, named, and its output tensors (for the bench)."""
     vocab = logits.shape[-1]
     if not 1 <= k <= vocab:
         raise ValueError(f"k must be in [1, V={vocab}], got {k}")
@@ -322,22 +329,30 @@ def topk_log_probs(
     lse = torch.empty((rows, 2), dtype=torch.float32, device=dev)
     lp = torch.empty((rows, k), dtype=torch.float32, device=dev)
     ids = torch.empty((rows, k), dtype=torch.int64, device=dev)
-    if rows:
-        final = 2 * kc
-        exn = 0  # the exact step (pairwise, up to 512 keys) measured 5x slower on the H200: off
-        warps = 4 if cap <= 4096 else 8
+    if not rows:
+        return [], lp.reshape(*lead, k), ids.reshape(*lead, k)
+    final = 2 * kc
+    exn = 0  # the exact step (pairwise, up to 512 keys) measured 5x slower on the H200: off
+    warps = 4 if cap <= 4096 else 8
+    ncp = max(_pow2(n_chunks), 2)
+    bj = max(min(kc if exn else _pow2(final), 4096 // ncp), 16)
+    parts = max(1, min(triton.cdiv(n_chunks * kc, 64), triton.cdiv(1056, rows)))
+    precise = os.environ.get("TRITON_INTERPRET") != "1"
+
+    def chunks() -> None:
         _chunk_kernel[(rows, n_chunks)](
             x, x.stride(0), vocab, chunk, n_chunks, scratch, count, bound, cmax, csum,
             KC=kc, TILE=tile, CAP=cap, FINAL=final if exn == 0 else exn, EXN=exn, num_warps=warps,
         )
-        ncp = max(_pow2(n_chunks), 2)
-        bj = max(min(kc if exn else _pow2(final), 4096 // ncp), 16)
+
+    def gather() -> None:
         _gather_kernel[(rows,)](
             scratch, count, bound, cmax, csum, n_chunks, cand, ncand, lse,
-            CAP=cap, NCP=ncp, BJ=bj, PRECISE_LOG=os.environ.get("TRITON_INTERPRET") != "1", num_warps=4,
+            CAP=cap, NCP=ncp, BJ=bj, PRECISE_LOG=precise, num_warps=4,
         )
-        parts = max(1, min(triton.cdiv(n_chunks * kc, 64), triton.cdiv(1056, rows)))
-        _rank_kernel[(rows, parts)](
-            cand, ncand, lse, n_chunks * cap, k, lp, ids, BI=64, BJ=128, num_warps=4,
-        )
-    return lp.reshape(*lead, k), ids.reshape(*lead, k)
+
+    def rank() -> None:
+        _rank_kernel[(rows, parts)](cand, ncand, lse, n_chunks * cap, k, lp, ids, BI=64, BJ=128, num_warps=4)
+
+    launches = [("topk_chunks", chunks), ("topk_gather", gather), ("topk_rank", rank)]
+    return launches, lp.reshape(*lead, k), ids.reshape(*lead, k)
