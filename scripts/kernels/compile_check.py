@@ -33,7 +33,7 @@ def check(fn, types: dict[str, str], consts: dict[str, object], num_warps: int) 
 
 def main() -> int:
     p64, pf, pi32 = "*i64", "*fp32", "*i32"
-    for kc, cap, exn in [(64, 4096, 256), (1024, 4096, 0)]:
+    for kc, cap, exn in [(64, 8192, 256), (1024, 8192, 0)]:
         check(
             topk._chunk_kernel,
             {
@@ -44,7 +44,7 @@ def main() -> int:
                 "max_ptr": pf,
                 "sum_ptr": pf,
             },
-            {"KC": kc, "TILE": 2048, "CAP": cap, "FINAL": 2 * kc, "EXN": exn},
+            {"KC": kc, "TILE": topk.TILE, "CAP": cap, "FINAL": 2 * kc, "EXN": exn},
             4,
         )
         check(
