@@ -33,7 +33,8 @@ def check(fn, types: dict[str, str], consts: dict[str, object], num_warps: int) 
 
 def main() -> int:
     p64, pf, pi32 = "*i64", "*fp32", "*i32"
-    for kc, cap, exn in [(64, 8192, 256), (1024, 8192, 0)]:
+    cases = [(64, topk.TILE_SMALL_K, 4096, 256, 4), (1024, topk.TILE_LARGE_K, 8192, 0, 8)]
+    for kc, tile, cap, exn, warps in cases:
         check(
             topk._chunk_kernel,
             {
@@ -44,8 +45,8 @@ def main() -> int:
                 "max_ptr": pf,
                 "sum_ptr": pf,
             },
-            {"KC": kc, "TILE": topk.TILE, "CAP": cap, "FINAL": 2 * kc, "EXN": exn},
-            4,
+            {"KC": kc, "TILE": tile, "CAP": cap, "FINAL": 2 * kc, "EXN": exn},
+            warps,
         )
         check(
             topk._gather_kernel,
