@@ -1,4 +1,4 @@
-"""Fused per-depth top-K and fp32 log-softmax over the full vocabulary: three launches, no sorts.
+"""Fused per-depth top-K and fp32 log-softmax over the full vocabulary: 3-4 launches, no big sorts.
 
 Measured on the H200 (``scripts/kernels/primitives_bench.py``): inside one program a bitonic
 ``tl.sort`` of 1024 int64 keys costs ~9 us and ``tl.topk`` of 4096 -> 64 ~22 us, while one pass
@@ -7,8 +7,10 @@ over a row costs a few us. So nothing here sorts:
 1. ``_chunk_kernel``, grid (row, chunk of V): one streaming pass that keeps the chunk's max and
    sum-exp and appends every key above a running bound to a scratch buffer. When the buffer fills,
    the bound rises to the smallest of KC strided-group maxima of the buffer (at least KC keys
-   are >= it) and the keys below it are dropped. Most tiles only compare against the bound.
-   Small K: the chunk's exact KC-th key by all-pairs ranking at the end.
+   are >= it) and the keys below it are dropped. A tile whose max is below the bound costs one
+   load and two reductions.
+1b. ``_exact_kernel`` (K <= 128), same grid: the chunk's exact top KC by a small ``tl.topk`` of
+   at most 4 KC keys, so the rows' candidate lists stay short.
 2. ``_gather_kernel``, one program per row: the row's logsumexp from the chunks' (max, sum-exp);
    tau = the highest chunk bound (the row's K-th key is above it); the chunks' keys above tau
    compacted into one candidate list.
@@ -54,34 +56,30 @@ def _decode(key):
 
 
 @triton.jit
-def _tighten(scratch, count, KC: tl.constexpr, CAP: tl.constexpr, EXN: tl.constexpr):
+def _tighten(scratch, count, KC: tl.constexpr, BLK: tl.constexpr):
     """Raise the buffer's bound and drop the keys below it (needs count >= KC).
 
-    First the smallest of KC strided-group maxima (group g holds slots g, g + KC, ...: each has a
-    real key, so at least KC keys are >= it); then, when at most EXN keys remain, the exact KC-th
-    key by one small ``tl.topk`` (~2 us for 256 -> 64 on the H200). Returns (new count, new
-    bound): the buffer then holds exactly the chunk's keys seen so far that are > bound, and at
-    least KC of them.
+    The new bound is the smallest of KC strided-group maxima (group g holds slots g, g + KC, ...:
+    each has a real key, so at least KC keys are >= it). Returns (new count, new bound): the
+    buffer then holds exactly the chunk's keys seen so far that are > bound, at least KC of them.
+    Works in blocks of BLK slots: the whole buffer in registers spilled (255 registers + stack).
     """
     tl.debug_barrier()  # the appends (by every thread) are complete
-    slots = tl.arange(0, CAP)
-    live = slots < count
-    buf = tl.load(scratch + slots, mask=live, other=_PAD_KEY)
-    bound = tl.min(tl.max(tl.reshape(buf, [CAP // KC, KC]), axis=0), axis=0) - 1
-    keep = live & (buf > bound)
-    pos = tl.cumsum(keep.to(tl.int32), axis=0) - 1
-    tl.debug_barrier()  # every thread has read the buffer before it is overwritten in place
-    tl.store(scratch + pos, buf, mask=keep)
-    count = tl.sum(keep.to(tl.int32), axis=0)
-    if EXN > 0:  # noqa: SIM102 (a constexpr branch around a runtime one)
-        if count <= EXN:  # few enough for one small bitonic top-K: the exact KC-th key
-            tl.debug_barrier()
-            i = tl.arange(0, EXN)
-            top = tl.topk(tl.load(scratch + i, mask=i < count, other=_PAD_KEY), KC)
-            bound = tl.min(top, axis=0) - 1
-            tl.debug_barrier()
-            tl.store(scratch + tl.arange(0, KC), top)  # the KC best, best first
-            count = tl.full([], KC, tl.int32)
+    lanes = tl.arange(0, BLK)
+    group_max = tl.full([KC], _PAD_KEY, tl.int64)
+    for b0 in range(0, count, BLK):
+        buf = tl.load(scratch + b0 + lanes, mask=b0 + lanes < count, other=_PAD_KEY)
+        group_max = tl.maximum(group_max, tl.max(tl.reshape(buf, [BLK // KC, KC]), axis=0))
+    bound = tl.min(group_max, axis=0) - 1
+    kept = tl.full([], 0, tl.int32)
+    for b0 in range(0, count, BLK):  # in place: a block's keys land at or before its own slots
+        buf = tl.load(scratch + b0 + lanes, mask=b0 + lanes < count, other=_PAD_KEY)
+        keep = (b0 + lanes < count) & (buf > bound)
+        pos = kept + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+        tl.debug_barrier()  # every thread has read the block before it is overwritten
+        tl.store(scratch + pos, buf, mask=keep)
+        kept += tl.sum(keep.to(tl.int32), axis=0)
+    count = kept
     tl.debug_barrier()
     return count, bound
 
@@ -102,7 +100,7 @@ def _chunk_kernel(
     TILE: tl.constexpr,
     CAP: tl.constexpr,
     FINAL: tl.constexpr,  # tighten down to this many keys at the end
-    EXN: tl.constexpr,  # exact KC-th key when at most this many remain (0: never)
+    BLK: tl.constexpr,  # buffer block for tightening (a multiple of KC)
 ):
     row = tl.program_id(0)
     ch = tl.program_id(1)
@@ -136,7 +134,7 @@ def _chunk_kernel(
                 sel = sel & (keys > bound)
                 n = tl.sum(sel.to(tl.int32), axis=0)
             while count + n > CAP:  # no room: raise the bound (count > CAP - TILE >= 2 KC: progress)
-                count, bound = _tighten(scratch, count, KC, CAP, EXN)
+                count, bound = _tighten(scratch, count, KC, BLK)
                 sel = sel & (keys > bound)
                 n = tl.sum(sel.to(tl.int32), axis=0)
             bound_x, _ = _decode(bound + 1)
@@ -146,15 +144,29 @@ def _chunk_kernel(
             count += n
     rounds = 0
     while (count > FINAL) & (rounds < 8):
-        count, bound = _tighten(scratch, count, KC, CAP, EXN)
+        count, bound = _tighten(scratch, count, KC, BLK)
         rounds += 1
-    if EXN > 0:  # noqa: SIM102 (a constexpr branch around a runtime one)
-        if (count > KC) & (count <= EXN):  # the exact step has not run on these keys yet
-            count, bound = _tighten(scratch, count, KC, CAP, EXN)
     tl.store(count_ptr + slot, count)
     tl.store(bound_ptr + slot, bound)
     tl.store(max_ptr + slot, m)
     tl.store(sum_ptr + slot, s)
+
+
+@triton.jit
+def _exact_kernel(scratch_ptr, count_ptr, bound_ptr, KC: tl.constexpr, CAP: tl.constexpr, EXN: tl.constexpr):
+    """Per chunk holding KC < count <= EXN keys: keep its exact top KC (one small ``tl.topk``,
+    ~2 us for 256 -> 64 on the H200). A launch of its own: inside the streaming kernel the
+    bitonic network took its registers to 211 (2 programs per multiprocessor instead of 4)."""
+    slot = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+    count = tl.load(count_ptr + slot)
+    if (count > KC) & (count <= EXN):
+        scratch = scratch_ptr + slot * CAP
+        i = tl.arange(0, EXN)
+        top = tl.topk(tl.load(scratch + i, mask=i < count, other=_PAD_KEY), KC)
+        tl.debug_barrier()  # every thread has read the buffer before it is overwritten
+        tl.store(scratch + tl.arange(0, KC), top)  # the KC best, best first
+        tl.store(count_ptr + slot, tl.full([], KC, tl.int32))
+        tl.store(bound_ptr + slot, tl.min(top, axis=0) - 1)
 
 
 @triton.jit
@@ -341,8 +353,11 @@ def topk_launches(
     def chunks() -> None:
         _chunk_kernel[(rows, n_chunks)](
             x, x.stride(0), vocab, chunk, n_chunks, scratch, count, bound, cmax, csum,
-            KC=kc, TILE=tile, CAP=cap, FINAL=final if exn == 0 else exn, EXN=exn, num_warps=warps,
+            KC=kc, TILE=tile, CAP=cap, FINAL=exn or final, BLK=max(kc, 1024), num_warps=warps,
         )
+
+    def exact() -> None:
+        _exact_kernel[(rows, n_chunks)](scratch, count, bound, KC=kc, CAP=cap, EXN=exn, num_warps=4)
 
     def gather() -> None:
         _gather_kernel[(rows,)](
@@ -353,5 +368,8 @@ def topk_launches(
     def rank() -> None:
         _rank_kernel[(rows, parts)](cand, ncand, lse, n_chunks * cap, k, lp, ids, BI=64, BJ=128, num_warps=4)
 
-    launches = [("topk_chunks", chunks), ("topk_gather", gather), ("topk_rank", rank)]
+    launches = [("topk_chunks", chunks)]
+    if exn:
+        launches.append(("topk_exact", exact))
+    launches += [("topk_gather", gather), ("topk_rank", rank)]
     return launches, lp.reshape(*lead, k), ids.reshape(*lead, k)

@@ -7,8 +7,14 @@ compiler, down to a cubin with the ptxas that ships with Triton, for the shapes 
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
 import sys
+import tempfile
 
+import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
@@ -24,11 +30,25 @@ def _sig(fn, types: dict[str, str], consts: dict[str, object]) -> tuple[dict, di
     return sig, {(fn.arg_names.index(k),): v for k, v in consts.items()}
 
 
+CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def _resources(cubin: bytes) -> dict[str, int]:
+    """Registers and stack bytes per thread, from cuobjdump (the ptxas of this Triton wheel)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return {"regs": int(found[1]), "stack": int(found[2])} if found else {}
+
+
 def check(fn, types: dict[str, str], consts: dict[str, object], num_warps: int) -> None:
     sig, constexprs = _sig(fn, types, consts)
     src = ASTSource(fn, sig, constexprs)
-    compile(src, target=TARGET, options={"num_warps": num_warps})
-    print(f"ok {fn.__name__} {consts}", flush=True)
+    compiled = compile(src, target=TARGET, options={"num_warps": num_warps})
+    use = _resources(compiled.asm["cubin"]) if os.path.exists(CUOBJDUMP) else {}
+    print(f"ok {fn.__name__} {json.dumps({'constexprs': consts, 'num_warps': num_warps, **use})}", flush=True)
 
 
 def main() -> int:
@@ -45,9 +65,16 @@ def main() -> int:
                 "max_ptr": pf,
                 "sum_ptr": pf,
             },
-            {"KC": kc, "TILE": tile, "CAP": cap, "FINAL": 2 * kc, "EXN": exn},
+            {"KC": kc, "TILE": tile, "CAP": cap, "FINAL": exn or 2 * kc, "BLK": max(kc, 1024)},
             warps,
         )
+        if exn:
+            check(
+                topk._exact_kernel,
+                {"scratch_ptr": p64, "count_ptr": pi32, "bound_ptr": p64},
+                {"KC": kc, "CAP": cap, "EXN": exn},
+                4,
+            )
         check(
             topk._gather_kernel,
             {
