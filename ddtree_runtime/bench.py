@@ -5,6 +5,8 @@ full vocabulary, tree build, compile, greedy walk over the target logits, commit
 Triton kernels (captured in a CUDA graph, replayed) against the plain PyTorch path of
 ``ddtree_runtime.tree`` (eager, with its host syncs) in the same run. Medians and minima in
 microseconds; ``identical`` says whether both paths gave the same tree, walk and plan.
+``kernel_stages_median_us`` times each launch group in a graph of its own; every such figure
+carries the fixed cost of one replay, printed as ``one_tiny_kernel`` (10-20 us on the H200).
 
 Imports only torch, triton and ddtree_runtime.tree / .kernels, so it runs on a bare GPU host with
 ``PYTHONPATH=.``.
