@@ -2,7 +2,7 @@
 
 Measured on the H200 (``scripts/kernels/primitives_bench.py``): inside one program a bitonic
 ``tl.sort`` of 1024 int64 keys costs ~9 us and ``tl.topk`` of 4096 -> 64 ~22 us, while one pass
-over a row costs a few us. So nothing here sorts:
+over a row costs a few us. So nothing here sorts more than 4 K <= 512 keys:
 
 1. ``_chunk_kernel``, grid (row, chunk of V): one streaming pass that keeps the chunk's max and
    sum-exp and appends every key above a running bound to a scratch buffer. When the buffer fills,
