@@ -22,11 +22,8 @@ _BIG = tl.constexpr(2**62)
 
 
 @triton.jit
-def _argmax_chunk_kernel(x_ptr, row_stride, vocab, chunk, n_chunks, max_ptr, idx_ptr, TILE: tl.constexpr):
-    row = tl.program_id(0)
-    ch = tl.program_id(1)
-    base = x_ptr + row.to(tl.int64) * row_stride
-    start = ch * chunk
+def _chunk_argmax(base, start, chunk, vocab, TILE: tl.constexpr):
+    """(max, first index of it) of row ``base`` over [start, start + chunk), tile by tile."""
     best = tl.full([], float("-inf"), tl.float32)
     best_idx = tl.full([], 2**31 - 1, tl.int64)
     for t in range(0, chunk, TILE):
@@ -37,6 +34,14 @@ def _argmax_chunk_kernel(x_ptr, row_stride, vocab, chunk, n_chunks, max_ptr, idx
         take = m > best  # strictly: an earlier tile keeps a tie
         best_idx = tl.where(take, i, best_idx)
         best = tl.where(take, m, best)
+    return best, best_idx
+
+
+@triton.jit
+def _argmax_chunk_kernel(x_ptr, row_stride, vocab, chunk, n_chunks, max_ptr, idx_ptr, TILE: tl.constexpr):
+    row = tl.program_id(0)
+    ch = tl.program_id(1)
+    best, best_idx = _chunk_argmax(x_ptr + row.to(tl.int64) * row_stride, ch * chunk, chunk, vocab, TILE)
     out = row.to(tl.int64) * n_chunks + ch
     tl.store(max_ptr + out, best)
     tl.store(idx_ptr + out, best_idx)
@@ -151,17 +156,7 @@ def _lazy_step_kernel(
         tl.store(cur_ptr + step * batch + req, cur)
     if cur >= 0:
         base = x_ptr + (req * (budget + 1) + cur) * row_stride
-        start = part * chunk
-        best = tl.full([], float("-inf"), tl.float32)
-        best_idx = tl.full([], 2**31 - 1, tl.int64)
-        for t in range(0, chunk, TILE):
-            offs = start + t + tl.arange(0, TILE)
-            x = tl.load(base + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
-            m = tl.max(x, axis=0)
-            i = tl.min(tl.where(x == m, offs, 2**31 - 1), axis=0).to(tl.int64)
-            take = m > best  # strictly: an earlier tile keeps a tie
-            best_idx = tl.where(take, i, best_idx)
-            best = tl.where(take, m, best)
+        best, best_idx = _chunk_argmax(base, part * chunk, chunk, vocab, TILE)
         out = (step * batch + req) * n_chunks + part
         tl.store(pmax_ptr + out, best)
         tl.store(pidx_ptr + out, best_idx)

@@ -14,6 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ddtree_runtime.bench import _eager_times
+from ddtree_runtime.kernels.build import _pick  # the build heap's own 7-field combine
+
 
 @triton.jit
 def _topk_k(x_ptr, out_ptr, REP: tl.constexpr, N: tl.constexpr, K: tl.constexpr):
@@ -53,27 +56,13 @@ def _cumsum_k(x_ptr, out_ptr, REP: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
-def _pick7(s_a, a0, a1, a2, p_a, m_a, i_a, s_b, b0, b1, b2, p_b, m_b, i_b):
-    win = (s_a > s_b) | ((s_a == s_b) & ((a0 < b0) | ((a0 == b0) & ((a1 < b1) | ((a1 == b1) & (a2 < b2))))))
-    return (
-        tl.where(win, s_a, s_b),
-        tl.where(win, a0, b0),
-        tl.where(win, a1, b1),
-        tl.where(win, a2, b2),
-        tl.where(win, p_a, p_b),
-        tl.where(win, m_a, m_b),
-        tl.where(win, i_a, i_b),
-    )
-
-
-@triton.jit
 def _reduce7_k(x_ptr, out_ptr, REP: tl.constexpr, N: tl.constexpr):
     sl = tl.arange(0, N)
     s = tl.load(x_ptr + sl).to(tl.float64)
     w = tl.load(x_ptr + sl)
     tot = tl.zeros([], tl.float64)
     for _i in range(REP):
-        bs, b0, b1, b2, bp, bm, slot = tl.reduce((s, w, w, w, s, w, sl), 0, _pick7)
+        bs, b0, b1, b2, bp, bm, slot = tl.reduce((s, w, w, w, s, w, sl), 0, _pick)
         s = tl.where(sl == slot, s - 1.0, s)
         tot += bs + bp + (b0 + b1 + b2 + bm).to(tl.float64)
     tl.store(out_ptr, tot.to(tl.int64))
@@ -93,17 +82,7 @@ def _max1_k(x_ptr, out_ptr, REP: tl.constexpr, N: tl.constexpr):
 
 
 def timeit(fn, n=7) -> float:
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1000)
-    return statistics.median(ts)
+    return statistics.median(_eager_times(fn, n))
 
 
 def main() -> None:
