@@ -258,18 +258,27 @@ def _pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+def _rows(logits: torch.Tensor) -> torch.Tensor:
+    """``[..., V]`` -> ``[R, V]`` with unit stride along V (the kernels index rows by stride)."""
+    x = logits.reshape(-1, logits.shape[-1])
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _split_v(vocab: int, rows: int, programs: int) -> tuple[int, int, int]:
+    """(tile, chunk, n_chunks): split each row's V into chunks so that rows x chunks ~ programs."""
+    tile = min(4096, max(_pow2(vocab), 16))
+    tiles = triton.cdiv(vocab, tile)
+    want = max(1, min(tiles, triton.cdiv(programs, max(rows, 1)), 64))
+    chunk = triton.cdiv(tiles, want) * tile
+    return tile, chunk, triton.cdiv(vocab, chunk)
+
+
 def target_argmax_partials(target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Per (row, chunk) max and first index of ``[b, B+1, V]`` logits: ``([R, n], [R, n], n)``."""
     vocab = target_logits.shape[-1]
-    x = target_logits.reshape(-1, vocab)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x = _rows(target_logits)
     rows = x.shape[0]
-    tile = min(4096, max(_pow2(vocab), 16))
-    tiles = triton.cdiv(vocab, tile)
-    want = max(1, min(tiles, triton.cdiv(1056, max(rows, 1)), 64))
-    chunk = triton.cdiv(tiles, want) * tile
-    n_chunks = triton.cdiv(vocab, chunk)
+    tile, chunk, n_chunks = _split_v(vocab, rows, 1056)
     cmax = torch.empty((rows, n_chunks), dtype=torch.float32, device=x.device)
     cidx = torch.empty((rows, n_chunks), dtype=torch.int64, device=x.device)
     if rows:
@@ -322,13 +331,8 @@ def walk_arrays(
             BP=bp, LP=lp, NCP=max(_pow2(n_chunks), 2), num_warps=4,
         )
         return acc, num, bonus, emit, num_emit
-    x = target_logits.reshape(-1, vocab)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    tile = min(4096, max(_pow2(vocab), 16))
-    tiles = triton.cdiv(vocab, tile)
-    chunk = triton.cdiv(tiles, max(1, min(tiles, triton.cdiv(264, b), 64))) * tile
-    n_chunks = triton.cdiv(vocab, chunk)
+    x = _rows(target_logits)
+    tile, chunk, n_chunks = _split_v(vocab, b, 264)
     steps = horizon + 2
     pmax = torch.empty((steps, b, n_chunks), dtype=torch.float32, device=dev)
     pidx = torch.empty((steps, b, n_chunks), dtype=torch.int64, device=dev)
