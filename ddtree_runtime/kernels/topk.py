@@ -25,6 +25,7 @@ PyTorch's log_softmax computes it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 
@@ -309,18 +310,42 @@ def topk_log_probs(
     return lp, ids
 
 
-def topk_launches(
-    logits: torch.Tensor, k: int, *, chunk: int | None = None, cap: int | None = None, tile: int | None = None
-) -> tuple[list[tuple[str, Callable[[], None]]], torch.Tensor, torch.Tensor]:
-    """The three launches of :func:`topk_log_probs`, named, and its output tensors (for the bench)."""
-    vocab = logits.shape[-1]
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Every size the top-K launches use for one (rows, V, k); see :func:`config`."""
+
+    rows: int
+    kc: int  # keys kept per chunk (power of two >= k)
+    tile: int
+    chunk: int
+    n_chunks: int
+    cap: int  # buffer slots per chunk
+    final: int  # the chunk kernel tightens down to this many keys at the end
+    exact: int  # K <= 128: the exact step takes up to this many keys (0: no exact step)
+    warps: int  # of the chunk kernel
+    gather_block: int
+    rank_parts: int
+
+    def chunk_constexprs(self) -> dict[str, int]:
+        blk = max(self.kc, 1024)
+        return {"KC": self.kc, "TILE": self.tile, "CAP": self.cap, "FINAL": self.final, "BLK": blk}
+
+    def gather_constexprs(self) -> dict[str, int]:
+        return {"CAP": self.cap, "NCP": max(_pow2(self.n_chunks), 2), "BJ": self.gather_block}
+
+
+def config(
+    rows: int,
+    vocab: int,
+    k: int,
+    *,
+    chunk: int | None = None,
+    cap: int | None = None,
+    tile: int | None = None,
+) -> Config:
+    """The launch sizes; ``chunk``, ``cap`` and ``tile`` override the plan (see topk_log_probs)."""
     if not 1 <= k <= vocab:
         raise ValueError(f"k must be in [1, V={vocab}], got {k}")
-    lead = logits.shape[:-1]
-    x = logits.reshape(-1, vocab)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    rows = x.shape[0]
     if tile is not None and (tile < 16 or tile & (tile - 1)):
         raise ValueError(f"tile must be a power of two >= 16, got {tile}")
     kc, tile, planned = plan(rows, vocab, k, tile)
@@ -329,47 +354,65 @@ def topk_launches(
     if cap < 2 * kc + tile or cap & (cap - 1):
         raise ValueError(f"cap must be a power of two >= 2 * KC + tile = {2 * kc + tile}, got {cap}")
     n_chunks = triton.cdiv(vocab, chunk)
+    exact = 4 * kc if kc <= 128 else 0  # the exact KC-th by tl.topk over at most 4 KC keys
+    # With the exact step the chunks keep KC keys each; without, up to 2 KC after tightening.
+    block = kc if exact else 2 * kc
+    return Config(
+        rows=rows, kc=kc, tile=tile, chunk=chunk, n_chunks=n_chunks, cap=cap,
+        final=exact or 2 * kc, exact=exact, warps=4 if cap <= 4096 else 8,
+        gather_block=max(min(block, 4096 // max(_pow2(n_chunks), 2)), 16),
+        rank_parts=max(1, min(triton.cdiv(n_chunks * kc, 64), triton.cdiv(1056, max(rows, 1)))),
+    )
+
+
+def topk_launches(
+    logits: torch.Tensor, k: int, *, chunk: int | None = None, cap: int | None = None, tile: int | None = None
+) -> tuple[list[tuple[str, Callable[[], None]]], torch.Tensor, torch.Tensor]:
+    """The 3-4 launches of :func:`topk_log_probs`, named, and its output tensors (for the bench)."""
+    vocab = logits.shape[-1]
+    lead = logits.shape[:-1]
+    x = logits.reshape(-1, vocab)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows = x.shape[0]
+    c = config(rows, vocab, k, chunk=chunk, cap=cap, tile=tile)
     dev = x.device
-    scratch = torch.empty((rows, n_chunks, cap), dtype=torch.int64, device=dev)
-    count = torch.empty((rows, n_chunks), dtype=torch.int32, device=dev)
-    bound = torch.empty((rows, n_chunks), dtype=torch.int64, device=dev)
-    cmax = torch.empty((rows, n_chunks), dtype=torch.float32, device=dev)
-    csum = torch.empty((rows, n_chunks), dtype=torch.float32, device=dev)
-    cand = torch.empty((rows, n_chunks * cap), dtype=torch.int64, device=dev)
+    scratch = torch.empty((rows, c.n_chunks, c.cap), dtype=torch.int64, device=dev)
+    count = torch.empty((rows, c.n_chunks), dtype=torch.int32, device=dev)
+    bound = torch.empty((rows, c.n_chunks), dtype=torch.int64, device=dev)
+    cmax = torch.empty((rows, c.n_chunks), dtype=torch.float32, device=dev)
+    csum = torch.empty((rows, c.n_chunks), dtype=torch.float32, device=dev)
+    cand = torch.empty((rows, c.n_chunks * c.cap), dtype=torch.int64, device=dev)
     ncand = torch.empty((rows,), dtype=torch.int32, device=dev)
     lse = torch.empty((rows, 2), dtype=torch.float32, device=dev)
     lp = torch.empty((rows, k), dtype=torch.float32, device=dev)
     ids = torch.empty((rows, k), dtype=torch.int64, device=dev)
     if not rows:
         return [], lp.reshape(*lead, k), ids.reshape(*lead, k)
-    final = 2 * kc
-    exn = 4 * kc if kc <= 128 else 0  # the exact KC-th by tl.topk over at most 4 KC keys
-    warps = 4 if cap <= 4096 else 8
-    ncp = max(_pow2(n_chunks), 2)
-    bj = max(min(kc if exn else _pow2(final), 4096 // ncp), 16)
-    parts = max(1, min(triton.cdiv(n_chunks * kc, 64), triton.cdiv(1056, rows)))
     precise = os.environ.get("TRITON_INTERPRET") != "1"
 
     def chunks() -> None:
-        _chunk_kernel[(rows, n_chunks)](
-            x, x.stride(0), vocab, chunk, n_chunks, scratch, count, bound, cmax, csum,
-            KC=kc, TILE=tile, CAP=cap, FINAL=exn or final, BLK=max(kc, 1024), num_warps=warps,
+        _chunk_kernel[(rows, c.n_chunks)](
+            x, x.stride(0), vocab, c.chunk, c.n_chunks, scratch, count, bound, cmax, csum,
+            **c.chunk_constexprs(), num_warps=c.warps,
         )
 
     def exact() -> None:
-        _exact_kernel[(rows, n_chunks)](scratch, count, bound, KC=kc, CAP=cap, EXN=exn, num_warps=4)
+        _exact_kernel[(rows, c.n_chunks)](scratch, count, bound, KC=c.kc, CAP=c.cap, EXN=c.exact, num_warps=4)
 
     def gather() -> None:
         _gather_kernel[(rows,)](
-            scratch, count, bound, cmax, csum, n_chunks, cand, ncand, lse,
-            CAP=cap, NCP=ncp, BJ=bj, PRECISE_LOG=precise, num_warps=4,
+            scratch, count, bound, cmax, csum, c.n_chunks, cand, ncand, lse,
+            **c.gather_constexprs(), PRECISE_LOG=precise, num_warps=4,
         )
 
     def rank() -> None:
-        _rank_kernel[(rows, parts)](cand, ncand, lse, n_chunks * cap, k, lp, ids, BI=64, BJ=128, num_warps=4)
+        _rank_kernel[(rows, c.rank_parts)](
+            cand, ncand, lse, c.n_chunks * c.cap, k, lp, ids, BI=64, BJ=128, num_warps=4
+        )
 
     launches = [("topk_chunks", chunks)]
-    if exn:
+    if c.exact:
         launches.append(("topk_exact", exact))
     launches += [("topk_gather", gather), ("topk_rank", rank)]
     return launches, lp.reshape(*lead, k), ids.reshape(*lead, k)

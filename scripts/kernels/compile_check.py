@@ -53,8 +53,9 @@ def check(fn, types: dict[str, str], consts: dict[str, object], num_warps: int) 
 
 def main() -> int:
     p64, pf, pi32 = "*i64", "*fp32", "*i32"
-    cases = [(64, topk.TILE_SMALL_K, 4096, 256, 4), (1024, topk.TILE_LARGE_K, 8192, 0, 8)]
-    for kc, tile, cap, exn, warps in cases:
+    # The sizes the bench's rounds launch (b1 B64, b32 B64, b1 B1024), planned by topk itself.
+    for rows, k in [(15, 64), (480, 64), (15, 1024)]:
+        cfg = topk.config(rows, 248320, k)
         check(
             topk._chunk_kernel,
             {
@@ -65,14 +66,14 @@ def main() -> int:
                 "max_ptr": pf,
                 "sum_ptr": pf,
             },
-            {"KC": kc, "TILE": tile, "CAP": cap, "FINAL": exn or 2 * kc, "BLK": max(kc, 1024)},
-            warps,
+            cfg.chunk_constexprs(),
+            cfg.warps,
         )
-        if exn:
+        if cfg.exact:
             check(
                 topk._exact_kernel,
                 {"scratch_ptr": p64, "count_ptr": pi32, "bound_ptr": p64},
-                {"KC": kc, "CAP": cap, "EXN": exn},
+                {"KC": cfg.kc, "CAP": cfg.cap, "EXN": cfg.exact},
                 4,
             )
         check(
@@ -87,7 +88,7 @@ def main() -> int:
                 "ncand_ptr": pi32,
                 "lse_ptr": pf,
             },
-            {"CAP": cap, "NCP": 16, "BJ": 128, "PRECISE_LOG": True},
+            {**cfg.gather_constexprs(), "PRECISE_LOG": True},
             4,
         )
     check(
