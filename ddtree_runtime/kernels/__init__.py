@@ -7,6 +7,8 @@ a whole round can be captured in a CUDA graph. ``walk_sample`` and ``verify_atte
 not offered (the plain path runs them; the mask's shape depends on the prefix lengths anyway).
 
 The kernel modules import Triton; this module does not, so ``available()`` is cheap and safe.
+The result types come from ``ddtree_runtime.tree_types``; nothing here imports ``tree`` (the
+dispatch runs one way, tree -> kernels).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from ddtree_runtime.tree import CommitPlan, DraftTree, VerifyInputs, WalkResult
+    from ddtree_runtime.tree_types import CommitPlan, DraftTree, VerifyInputs, WalkResult
 
 __all__ = ["available", "build_tree", "commit_plan", "compile_tree", "supports_build", "walk_greedy"]
 
@@ -54,21 +56,21 @@ def _check_device(t: Tensor, what: str) -> None:
 
 def build_tree(draft_logits: Tensor, budget: int, *, topk_cap: int | None = None) -> DraftTree:
     """Kernel version of ``tree.build_tree``: top-K + logsumexp launch pair, then one build launch."""
-    from ddtree_runtime import tree
+    from ddtree_runtime import tree_types
 
     from .build import build_from_topk
     from .topk import topk_log_probs
 
-    tree.check_build_inputs(draft_logits, topk_cap)
+    tree_types.check_build_inputs(draft_logits, topk_cap)
     _check_device(draft_logits, "draft_logits")
     b, horizon, vocab = draft_logits.shape
     budget = max(int(budget), 0)
     if budget == 0 or horizon == 0 or vocab == 0:
-        return tree._empty_tree(b, budget, horizon, draft_logits.device)
+        return tree_types.empty_tree(b, budget, horizon, draft_logits.device)
     k = min(budget, vocab, topk_cap or budget)
     top_lp, top_ids = topk_log_probs(draft_logits, k)
     tokens, depths, parents, scores, num_nodes = build_from_topk(top_lp, top_ids, budget)
-    return tree.DraftTree(
+    return tree_types.DraftTree(
         tokens=tokens, depths=depths, parents=parents, scores=scores, num_nodes=num_nodes, horizon=horizon
     )
 
@@ -77,7 +79,7 @@ def compile_tree(draft: DraftTree, root_tokens: Tensor, prefix_lens: Tensor) -> 
     """Kernel version of ``tree.compile_tree`` (one launch)."""
     import torch
 
-    from ddtree_runtime import tree
+    from ddtree_runtime import tree_types
 
     from .compile import compile_arrays
 
@@ -91,7 +93,7 @@ def compile_tree(draft: DraftTree, root_tokens: Tensor, prefix_lens: Tensor) -> 
         torch.as_tensor(root_tokens, device=dev),
         torch.as_tensor(prefix_lens, device=dev),
     )
-    return tree.VerifyInputs(
+    return tree_types.VerifyInputs(
         input_ids=ids,
         positions=pos,
         visibility=vis,
@@ -103,14 +105,14 @@ def compile_tree(draft: DraftTree, root_tokens: Tensor, prefix_lens: Tensor) -> 
 
 def walk_greedy(draft: DraftTree, target_logits: Tensor) -> WalkResult:
     """Kernel version of ``tree.walk_greedy``: split-V argmax launch, then one walk launch."""
-    from ddtree_runtime import tree
+    from ddtree_runtime import tree_types
 
     from .walk import walk_arrays
 
-    tree._check_rows(draft, target_logits, "target_logits")
+    tree_types.check_rows(draft, target_logits, "target_logits")
     _check_device(target_logits, "target_logits")
     acc, num, bonus, emit, num_emit = walk_arrays(draft.tokens, draft.parents, draft.horizon, target_logits)
-    return tree.WalkResult(
+    return tree_types.WalkResult(
         accepted=acc,
         num_accepted=num,
         bonus=bonus,
@@ -126,7 +128,7 @@ def commit_plan(
     """Kernel version of ``tree.commit_plan`` (one launch)."""
     import torch
 
-    from ddtree_runtime import tree
+    from ddtree_runtime import tree_types
 
     from .walk import commit_arrays
 
@@ -143,4 +145,4 @@ def commit_plan(
         rows,
         page_size,
     )
-    return tree.CommitPlan(page_size=page_size, **fields)
+    return tree_types.CommitPlan(page_size=page_size, **fields)

@@ -10,9 +10,9 @@ Site-by-site map of what the plugin covers in SGLang 0.5.23: ``docs/sglang-plugi
 
 from __future__ import annotations
 
-ALGORITHM = "DDTREE"
-# The release every site in docs/sglang-plugin-sites.md was read from (and the tests run against).
-PINNED_SGLANG_VERSION = "0.5.23"
+from ddtree_runtime.sglang_plugin.names import ALGORITHM, PINNED_SGLANG_VERSION
+
+__all__ = ["ALGORITHM", "PINNED_SGLANG_VERSION", "register"]
 
 
 def register() -> None:

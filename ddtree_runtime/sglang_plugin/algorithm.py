@@ -20,9 +20,9 @@ from typing import Any
 
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
-from ddtree_runtime.sglang_plugin import ALGORITHM
 from ddtree_runtime.sglang_plugin.cli_args import ddtree_args_of
 from ddtree_runtime.sglang_plugin.gates import DDTreeConfigError, check_hybrid, check_refusals
+from ddtree_runtime.sglang_plugin.names import ALGORITHM
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ def main(*, require_complete: bool = True) -> int:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     from ddtree_runtime import __version__
-    from ddtree_runtime.sglang_plugin import ALGORITHM
+    from ddtree_runtime.sglang_plugin.names import ALGORITHM
     from ddtree_runtime.sglang_plugin.registration import registration_complete
 
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ddtree_runtime.sglang_plugin import ALGORITHM, PINNED_SGLANG_VERSION
+from ddtree_runtime.sglang_plugin.names import ALGORITHM, PINNED_SGLANG_VERSION
 
 logger = logging.getLogger(__name__)
 

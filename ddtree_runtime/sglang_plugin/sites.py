@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ddtree_runtime.sglang_plugin import ALGORITHM
+from ddtree_runtime.sglang_plugin.names import ALGORITHM
 
 logger = logging.getLogger(__name__)
 
