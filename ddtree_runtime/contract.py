@@ -9,7 +9,10 @@ numbers and the likely cause. It imports nothing else of ours and no torch at im
 
 from __future__ import annotations
 
+import errno
 import json
+import os
+import stat
 import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -26,6 +29,10 @@ __all__ = [
 
 # A real header is a few hundred KB even for sharded 27B checkpoints; anything near this is garbage.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+# config.json and the shard index are a few KB to a few hundred KB; a larger one is not a model's.
+MAX_JSON_BYTES = 16 * 1024 * 1024
+# Model dimensions SGLang indexes with int32: anything larger is a corrupt or hostile config.
+MAX_COUNT = 2**31 - 1
 _DTYPE_BYTES = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
     "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8,
@@ -39,7 +46,9 @@ class ContractError(ValueError):
 
     ``cause`` is a short id: ``hidden_width_mismatch``, ``hidden_states_missing``,
     ``hidden_dtype_mismatch``, ``hidden_device_mismatch``, ``fc_width_mismatch``, ``bad_config``,
-    ``bad_safetensors``, ``layer_ids_out_of_range``. ``details`` holds the numbers involved.
+    ``bad_safetensors``, ``layer_ids_out_of_range``, ``layer_ids_repeated`` (SGLang captures each
+    layer once, so the drafter gets fewer layers than it lists), ``layer_ids_unsorted`` (SGLang
+    captures in layer order, not in the listed order). ``details`` holds the numbers involved.
     """
 
     def __init__(self, cause: str, message: str, **details: Any) -> None:
@@ -102,26 +111,94 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
 # Files
 
 
+def _shown(values: list[Any], limit: int = 8) -> str:
+    """A list for an error message, cut short: a hostile config may list a million ids."""
+    if len(values) <= limit:
+        return str(values)
+    return "[" + ", ".join(str(v) for v in values[:limit]) + f", ... ({len(values)} in all)]"
+
+
+def _open_regular(path: Path, what: str, cause: str) -> tuple[int, int]:
+    """(fd, size) of a regular file. O_NONBLOCK: a FIFO planted in a model directory must not block the
+    open; the fstat then refuses it, as it refuses /dev/zero and other devices."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise ContractError(cause, f"{what} {path} is missing", path=str(path)) from None
+    except OSError as exc:
+        raise ContractError(cause, f"cannot read {what} {path}: {_reason(exc)}", path=str(path)) from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise ContractError(
+            cause, f"{what} {path} is not a regular file ({_file_kind(info.st_mode)})", path=str(path)
+        )
+    return fd, info.st_size
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))  # fmt: skip
+    for test, name in kinds:
+        if test(mode):
+            return name
+    return "not a file"
+
+
+def _reason(exc: OSError) -> str:
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied (run as a user that can read the model directories)"
+    return exc.strerror or str(exc)
+
+
+def read_json_file(path: Path, what: str, *, cause: str = "bad_config", limit: int = MAX_JSON_BYTES) -> Any:
+    """A small JSON document, defended: regular file only, size-capped, UTF-8, bounded nesting."""
+    fd, size = _open_regular(path, what, cause)
+    with os.fdopen(fd, "rb") as fh:
+        if size > limit:
+            raise ContractError(
+                cause, f"{what} {path} is {size} bytes (limit {limit}): too large to be one"
+            )
+        raw = fh.read(limit + 1)
+    return _parse_json(raw, f"{what} {path}", cause)
+
+
+def _parse_json(raw: bytes, where: str, cause: str) -> Any:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ContractError(
+            cause, f"{where} is not valid JSON: not UTF-8 (bad byte at offset {exc.start})"
+        ) from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ContractError(cause, f"{where} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    except RecursionError:
+        raise ContractError(cause, f"{where} is not valid JSON: nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer literal of more than 4300 digits
+        raise ContractError(cause, f"{where} is not valid JSON: {str(exc)[:120]}") from None
+
+
 def _read_config(model_dir: Path, role: str) -> dict[str, Any]:
     path = model_dir / "config.json"
-    if not model_dir.is_dir():
-        raise ContractError(
-            "bad_config", f"{role} model directory {model_dir} does not exist", path=str(path)
-        )
     try:
-        text = path.read_text(encoding="utf-8")
+        info = model_dir.stat()
     except FileNotFoundError:
         raise ContractError(
-            "bad_config", f"{role} config {path} is missing: is {model_dir} a Hugging Face model directory?"
+            "bad_config", f"{role} model directory {model_dir} does not exist", path=str(path)
         ) from None
     except OSError as exc:
-        raise ContractError("bad_config", f"cannot read {role} config {path}: {exc.strerror}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
         raise ContractError(
-            "bad_config", f"{role} config {path} is not valid JSON (line {exc.lineno}: {exc.msg})"
+            "bad_config", f"cannot open {role} model directory {model_dir}: {_reason(exc)}"
         ) from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise ContractError("bad_config", f"{role} model path {model_dir} is not a directory")
+    if not os.path.lexists(path):
+        raise ContractError(
+            "bad_config", f"{role} config {path} is missing: is {model_dir} a Hugging Face model directory?"
+        )
+    data = read_json_file(path, f"{role} config")
     if not isinstance(data, dict):
         raise ContractError("bad_config", f"{role} config {path} must hold a JSON object")
     return data
@@ -132,8 +209,11 @@ def _int_field(path: Path, value: Any, name: str, *, minimum: int = 1, required:
         if required:
             raise ContractError("bad_config", f"{path} has no {name}")
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ContractError("bad_config", f"{path}: {name} must be an integer >= {minimum}, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= MAX_COUNT:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
+        raise ContractError(
+            "bad_config", f"{path}: {name} must be an integer in {minimum}..{MAX_COUNT}, got {shown}"
+        )
     return value
 
 
@@ -162,34 +242,32 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
     The tensor data is never read, so a file holding only a header is accepted: the tests use that
     to state real 27B shapes without writing gigabytes.
     """
-    try:
-        with path.open("rb") as fh:
-            raw_len = fh.read(8)
-            if len(raw_len) < 8:
-                raise ContractError(
-                    "bad_safetensors",
-                    f"{path} is truncated: {len(raw_len)} bytes, shorter than the 8-byte header length",
-                )
-            (length,) = struct.unpack("<Q", raw_len)
-            if length > MAX_HEADER_BYTES:
-                raise ContractError(
-                    "bad_safetensors",
-                    f"{path} declares a {length}-byte header (limit {MAX_HEADER_BYTES}): "
-                    "not a safetensors file, or a corrupt one",
-                )
-            raw = fh.read(length)
-    except FileNotFoundError:
-        raise ContractError("bad_safetensors", f"drafter weights {path} are missing") from None
-    except OSError as exc:
-        raise ContractError("bad_safetensors", f"cannot read {path}: {exc.strerror}") from None
+    fd, size = _open_regular(path, "drafter weights", "bad_safetensors")
+    with os.fdopen(fd, "rb") as fh:
+        raw_len = fh.read(8)
+        if len(raw_len) < 8:
+            raise ContractError(
+                "bad_safetensors",
+                f"{path} is truncated: {len(raw_len)} bytes, shorter than the 8-byte header length",
+            )
+        (length,) = struct.unpack("<Q", raw_len)
+        if length > MAX_HEADER_BYTES:
+            raise ContractError(
+                "bad_safetensors",
+                f"{path} declares a {length}-byte header (limit {MAX_HEADER_BYTES}): "
+                "not a safetensors file, or a corrupt one",
+            )
+        if length > size - 8:
+            raise ContractError(
+                "bad_safetensors",
+                f"{path} is truncated: header declares {length} bytes, file holds {size - 8}",
+            )
+        raw = fh.read(length)
     if len(raw) < length:
         raise ContractError(
             "bad_safetensors", f"{path} is truncated: header declares {length} bytes, file holds {len(raw)}"
         )
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ContractError("bad_safetensors", f"{path}: the safetensors header is not valid JSON") from None
+    header = _parse_json(raw, f"{path}: the safetensors header", "bad_safetensors")
     if not isinstance(header, dict):
         raise ContractError("bad_safetensors", f"{path}: the safetensors header must be a JSON object")
     return header
@@ -226,19 +304,31 @@ def _is_count(x: Any) -> bool:
 def _find_fc_weight(draft_dir: Path) -> tuple[tuple[int, int], Path]:
     """The drafter's ``fc.weight`` [out, in] from a single-file or sharded checkpoint."""
     index = draft_dir / "model.safetensors.index.json"
-    if index.is_file():
+    if os.path.lexists(index):
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map")
-        except (OSError, json.JSONDecodeError, AttributeError):
-            raise ContractError("bad_safetensors", f"{index} is not a valid safetensors index") from None
+            doc = read_json_file(index, "safetensors index", cause="bad_safetensors")
+        except ContractError as exc:
+            raise ContractError(
+                "bad_safetensors", f"{index} is not a valid safetensors index: {exc}"
+            ) from None
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(weight_map, dict):
             raise ContractError("bad_safetensors", f"{index} has no weight_map")
         key = _fc_key(weight_map, index)
-        shard = draft_dir / str(weight_map[key])
+        name = weight_map[key]
+        # A shard is a file next to the index: no paths, so a hostile index cannot point elsewhere.
+        if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
+            raise ContractError(
+                "bad_safetensors", f"{index}: {key} maps to {str(name)[:80]!r}, not a shard file name"
+            )
+        shard = draft_dir / name
         return _fc_shape_from_file(shard, key), shard
     single = draft_dir / "model.safetensors"
-    if not single.is_file():
-        found = sorted(p.name for p in draft_dir.glob("*.safetensors"))
+    if not os.path.lexists(single):
+        try:
+            found = sorted(p.name for p in draft_dir.glob("*.safetensors"))
+        except OSError as exc:
+            raise ContractError("bad_safetensors", f"cannot list {draft_dir}: {_reason(exc)}") from None
         if len(found) != 1:
             raise ContractError(
                 "bad_safetensors",
@@ -325,11 +415,13 @@ def load_contract(target_dir: str | Path, draft_dir: str | Path, *, check: bool 
     if bad:
         raise ContractError(
             "layer_ids_out_of_range",
-            f"drafter captures target layers {ids} but the target ({tpath}) has {layers} layers "
-            f"(valid ids 0..{layers - 1}); out of range: {bad}. Is this drafter made for this target?",
-            target_layer_ids=ids,
+            f"drafter captures target layers {_shown(ids)} but the target ({tpath}) has {layers} layers "
+            f"(valid ids 0..{layers - 1}); out of range: {_shown(bad)}. "
+            "Is this drafter made for this target?",
+            target_layer_ids=ids[:64],
             target_num_layers=layers,
         )
+    _check_capture_order(ids, hidden, dpath)
     if declared_target_layers is not None and declared_target_layers != layers:
         warnings.append(
             f"drafter was made for a {declared_target_layers}-layer target, this target has {layers} layers"
@@ -364,6 +456,32 @@ def load_contract(target_dir: str | Path, draft_dir: str | Path, *, check: bool 
             capture_width=contract.capture_width,
         )
     return contract
+
+
+def _check_capture_order(ids: list[int], hidden: int, dpath: Path) -> None:
+    """SGLang 0.5.23 captures "before layer id+1" while it runs the layers in order, once per layer
+    (``if i in layers_to_capture``): a repeated id is captured once, and the concatenation follows the
+    layer order, whatever order the drafter's config lists. Both break the drafter at run time."""
+    distinct = sorted(set(ids))
+    if len(distinct) != len(ids):
+        repeated = sorted({i for i in ids if ids.count(i) > 1}) if len(ids) <= 4096 else "several"
+        raise ContractError(
+            "layer_ids_repeated",
+            f"{dpath}: target_layer_ids {_shown(ids)} repeat layer(s) {repeated}; SGLang captures each layer "
+            f"once, so the target hands the drafter [N, {len(distinct) * hidden}] ({len(distinct)} layers x "
+            f"{hidden}) where it expects [N, {len(ids) * hidden}]: a hidden width mismatch at run time",
+            expected=len(ids) * hidden,
+            capture_width=len(distinct) * hidden,
+        )
+    if ids != distinct:
+        raise ContractError(
+            "layer_ids_unsorted",
+            f"{dpath}: target_layer_ids {_shown(ids)} are not in ascending order; SGLang captures the target "
+            f"layers in layer order ({_shown(distinct)}), so the drafter would get the right width with its "
+            "slices swapped (silently wrong drafts). List the ids in ascending order only if the drafter was "
+            "trained that way; otherwise this drafter cannot be served by SGLang as is",
+            target_layer_ids=ids[:64],
+        )
 
 
 def _width_hint(fc_in: int, hidden: int, n_ids: int) -> str:

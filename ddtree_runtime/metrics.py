@@ -17,6 +17,7 @@ import datetime as dt
 import fcntl
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server, write_to_textfile
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from ddtree_runtime.contract import ContractError, read_json_file
 
 DEFAULT_STATE_ROOT = "/var/lib/ddtree"
 DEFAULT_UNITS = ("sglang-qwen", "sglang-qwen-shadow")
@@ -39,18 +42,32 @@ def unit_label(unit: str) -> str:
     return unit.removesuffix(".service")
 
 
+# State files are a few KB; the cap keeps a huge or endless file (a device, a FIFO is refused) harmless.
+MAX_STATE_BYTES = 1024 * 1024
+_UNIT_NAME = re.compile(r"^[A-Za-z0-9:_.@\\-]{1,200}$")
+
+
+class BadStateFile(ValueError):
+    """A state file that cannot be read as what it should be; its series are skipped and it is reported."""
+
+
 def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError):
+    """The JSON object in a state file; None when there is no file; BadStateFile when it is broken."""
+    if not os.path.lexists(path):
         return None
-    return doc if isinstance(doc, dict) else None
+    try:
+        doc = read_json_file(path, "state file", cause="bad_state", limit=MAX_STATE_BYTES)
+    except ContractError as exc:
+        raise BadStateFile(str(exc)) from None
+    if not isinstance(doc, dict):
+        raise BadStateFile(f"state file {path} must hold a JSON object")
+    return doc
 
 
 def _epoch(value: Any) -> float | None:
     """deployed_at and friends come as epoch seconds or ISO 8601 text."""
-    if isinstance(value, int | float):
-        return float(value)
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return _num(value)
     if isinstance(value, str):
         try:
             stamp = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
@@ -63,45 +80,87 @@ def _epoch(value: Any) -> float | None:
 
 
 def _num(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        return None
+
+
+def _obj(doc: dict[str, Any], key: str, path: Path) -> dict[str, Any]:
+    value = doc.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadStateFile(f"state file {path}: {key} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _label(value: Any) -> str:
+    return str(value)[:200]
 
 
 def systemd_unit_facts(unit: str) -> dict[str, Any] | None:
     """ActiveState, NRestarts and seconds since the unit became active; None without systemd."""
     props = "ActiveState,SubState,NRestarts,ActiveEnterTimestampMonotonic,LoadState"
     try:
-        out = subprocess.run(["systemctl", "show", f"{unit}.service", "-p", props],
+        out = subprocess.run(["systemctl", "show", "-p", props, "--", f"{unit}.service"],
                              capture_output=True, text=True, timeout=10, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
+    except (OSError, subprocess.SubprocessError, ValueError):
         return None
     facts = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
     if facts.get("LoadState") == "not-found":
         return None
+    try:
+        entered_us = int(facts.get("ActiveEnterTimestampMonotonic") or 0)
+        restarts = int(facts.get("NRestarts") or 0)
+    except ValueError:
+        return None
     since = None
-    entered_us = int(facts.get("ActiveEnterTimestampMonotonic") or 0)
     if facts.get("ActiveState") == "active" and entered_us:
         since = time.clock_gettime(time.CLOCK_MONOTONIC) - entered_us / 1e6
     return {"active": facts.get("ActiveState"), "sub": facts.get("SubState"),
-            "restarts": int(facts.get("NRestarts") or 0), "uptime_seconds": since}
+            "restarts": restarts, "uptime_seconds": since}
+
+
+# One sample before it is added: (family key, labels, value). A file's samples are added all or none.
+Sample = tuple[str, list[str], float]
 
 
 class DDTreeCollector:
-    """Reads the host's DDTree state files (and systemd) at every collection."""
+    """Reads the host's DDTree state files (and systemd) at every collection.
+
+    A broken file (not JSON, wrong types, not a regular file, too large) costs only its own series:
+    it is skipped, named in ``ddtree_state_file_unreadable`` and in ``self.bad_files``, and every
+    other series is still served.
+    """
 
     def __init__(self, state_root: str = DEFAULT_STATE_ROOT, *, units: tuple[str, ...] = DEFAULT_UNITS,
                  systemd: bool = True) -> None:
         self.root = Path(state_root)
         self.units = tuple(unit_label(u) for u in units)
         self.systemd = systemd
+        self.bad_files: dict[str, str] = {}  # file (relative to the root) -> why, of the last collection
 
     def describe(self) -> list[Metric]:
         return []  # no collection at registration time: the files may not exist yet
 
     def _units(self) -> list[str]:
-        found = {p.stem for sub in ("probe", "state", "rollout") for p in (self.root / sub).glob("*.json")}
+        found: set[str] = set()
+        for sub in ("probe", "state", "rollout"):
+            try:
+                found |= {p.stem for p in (self.root / sub).glob("*.json")}
+            except OSError as exc:
+                self.bad_files[sub] = f"cannot list {self.root / sub}: {exc.strerror or exc}"
+        for stem in sorted(found - set(self.units)):
+            if not _UNIT_NAME.match(stem):
+                found.discard(stem)
+                self.bad_files[f"*/{stem[:80]}.json"] = f"{stem[:80]!r} is not a systemd unit name"
         return sorted(found | set(self.units))
 
     def collect(self) -> Iterator[Metric]:
+        self.bad_files = {}
         g = {name: GaugeMetricFamily(f"ddtree_{name}", doc, labels=labels) for name, doc, labels in (
             ("probe_success", "1 if the unit's last probe passed, else 0", ["unit", "probe"]),
             ("probe_timestamp_seconds", "when the unit's last probe ran (unix time)", ["unit", "probe"]),
@@ -120,83 +179,110 @@ class DDTreeCollector:
             ("rollout_last_timestamp_seconds", "when the unit's last rollout finished", ["unit"]),
             ("unit_active", "1 if the systemd unit is active (ActiveState=active)", ["unit"]),
             ("unit_uptime_seconds", "seconds since the systemd unit became active", ["unit"]),
+            ("state_file_unreadable", "1 for a state file that was skipped because it is broken "
+             "(its unit's series from that file are missing)", ["file", "reason"]),
         )}
         rollouts = CounterMetricFamily("ddtree_rollouts", "rollouts by outcome", labels=["unit", "outcome"])
         restarts = CounterMetricFamily("ddtree_unit_restarts", "automatic restarts systemd made (NRestarts)",
                                        labels=["unit"])
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {**g, "rollouts": rollouts}
         for unit in self._units():
-            self._probe(unit, g)
-            self._state(unit, g)
-            self._rollout(unit, g, rollouts)
+            for sub, read in (("probe", self._probe), ("state", self._state), ("rollout", self._rollout)):
+                path = self.root / sub / f"{unit}.json"
+                try:
+                    samples = read(unit, path)
+                except BadStateFile as exc:
+                    self.bad_files[f"{sub}/{unit}.json"] = str(exc)
+                    continue
+                for key, labels, value in samples:
+                    families[key].add_metric(labels, value)
             if self.systemd and (facts := systemd_unit_facts(unit)):
                 g["unit_active"].add_metric([unit], 1.0 if facts["active"] == "active" else 0.0)
                 restarts.add_metric([unit], facts["restarts"])
                 if facts["uptime_seconds"] is not None:
                     g["unit_uptime_seconds"].add_metric([unit], facts["uptime_seconds"])
+        for name, why in sorted(self.bad_files.items()):
+            g["state_file_unreadable"].add_metric([name, why[:300]], 1.0)
         yield from g.values()
         yield rollouts
         yield restarts
 
-    def _probe(self, unit: str, g: dict[str, GaugeMetricFamily]) -> None:
-        rep = _read_json(self.root / "probe" / f"{unit}.json")
+    def _probe(self, unit: str, path: Path) -> list[Sample]:
+        rep = _read_json(path)
         if rep is None:
-            return
-        kind, figures = str(rep.get("probe", "live")), rep.get("figures") or {}
-        g["probe_success"].add_metric([unit, kind], 1.0 if rep.get("ok") else 0.0)
+            return []
+        kind, figures = _label(rep.get("probe", "live")), _obj(rep, "figures", path)
+        hs = _obj(rep, "handshake", path)
+        out: list[Sample] = [("probe_success", [unit, kind], 1.0 if rep.get("ok") is True else 0.0)]
         if (stamp := _num(rep.get("time"))) is not None:
-            g["probe_timestamp_seconds"].add_metric([unit, kind], stamp)
+            out.append(("probe_timestamp_seconds", [unit, kind], stamp))
         if (took := _num(figures.get("probe_seconds"))) is not None:
-            g["probe_duration_seconds"].add_metric([unit, kind], took)
-        if not rep.get("ok"):
-            g["probe_failure_info"].add_metric([unit, kind, str(rep.get("cause") or "unknown")], 1.0)
+            out.append(("probe_duration_seconds", [unit, kind], took))
+        if rep.get("ok") is not True:
+            out.append(("probe_failure_info", [unit, kind, _label(rep.get("cause") or "unknown")], 1.0))
         if (accept := _num(figures.get("accept_length"))) is not None:
-            g["spec_accept_length"].add_metric([unit], accept)
-        hs = rep.get("handshake") or {}
+            out.append(("spec_accept_length", [unit], accept))
         exp, obs = _num(hs.get("expected_hidden_width")), _num(hs.get("observed_hidden_width"))
         if exp is not None:
-            g["handshake_expected_hidden_width"].add_metric([unit], exp)
+            out.append(("handshake_expected_hidden_width", [unit], exp))
         if obs is not None:
-            g["handshake_observed_hidden_width"].add_metric([unit], obs)
+            out.append(("handshake_observed_hidden_width", [unit], obs))
         if kind == "live" and hs:
-            g["handshake_ok"].add_metric([unit], 1.0 if hs.get("status") == "ok" and exp == obs else 0.0)
+            ok = hs.get("status") == "ok" and exp is not None and exp == obs
+            out.append(("handshake_ok", [unit], 1.0 if ok else 0.0))
         if (budget := _num(hs.get("budget"))) is not None:
-            g["budget"].add_metric([unit], budget)
+            out.append(("budget", [unit], budget))
+        return out
 
-    def _state(self, unit: str, g: dict[str, GaugeMetricFamily]) -> None:
-        state = _read_json(self.root / "state" / f"{unit}.json")
+    def _state(self, unit: str, path: Path) -> list[Sample]:
+        state = _read_json(path)
         if state is None:
-            return
-        g["deploy_info"].add_metric([unit, str(state.get("profile", "")), str(state.get("release", ""))], 1.0)
+            return []
+        out: list[Sample] = [("deploy_info", [unit, _label(state.get("profile", "")),
+                                              _label(state.get("release", ""))], 1.0)]
         if (stamp := _epoch(state.get("deployed_at"))) is not None:
-            g["deploy_timestamp_seconds"].add_metric([unit], stamp)
+            out.append(("deploy_timestamp_seconds", [unit], stamp))
+        return out
 
-    def _rollout(self, unit: str, g: dict[str, GaugeMetricFamily], rollouts: CounterMetricFamily) -> None:
-        doc = _read_json(self.root / "rollout" / f"{unit}.json")
+    def _rollout(self, unit: str, path: Path) -> list[Sample]:
+        doc = _read_json(path)
         if doc is None:
-            return
-        counts = doc.get("counts") or {}
+            return []
+        counts, last = _obj(doc, "counts", path), _obj(doc, "last", path)
+        out: list[Sample] = []
         for outcome in OUTCOMES:
-            rollouts.add_metric([unit, outcome], float(counts.get(outcome, 0)))
-        last = doc.get("last") or {}
+            value = _num(counts.get(outcome, 0))
+            if value is None or not 0 <= value < 2**53:
+                raise BadStateFile(f"state file {path}: counts.{outcome} must be a count, "
+                                   f"got {repr(counts.get(outcome))[:40]}")
+            out.append(("rollouts", [unit, outcome], value))
         if last.get("outcome"):
-            g["rollout_last_success"].add_metric([unit, last["outcome"]],
-                                                 1.0 if last["outcome"] == "success" else 0.0)
+            outcome = _label(last["outcome"])
+            out.append(("rollout_last_success", [unit, outcome], 1.0 if outcome == "success" else 0.0))
         if (stamp := _num(last.get("time"))) is not None:
-            g["rollout_last_timestamp_seconds"].add_metric([unit], stamp)
+            out.append(("rollout_last_timestamp_seconds", [unit], stamp))
+        return out
 
 
-def build_registry(state_root: str = DEFAULT_STATE_ROOT, *, systemd: bool = True) -> CollectorRegistry:
+def build_registry(state_root: str = DEFAULT_STATE_ROOT, *, systemd: bool = True,
+                   collector: DDTreeCollector | None = None) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)  # our own registry: no process/python metrics
-    registry.register(DDTreeCollector(state_root, systemd=systemd))
+    registry.register(collector or DDTreeCollector(state_root, systemd=systemd))
     return registry
 
 
-def write_textfile(textfile_dir: str, state_root: str = DEFAULT_STATE_ROOT, *, systemd: bool = True) -> Path:
+def write_textfile(textfile_dir: str, state_root: str = DEFAULT_STATE_ROOT, *, systemd: bool = True,
+                   collector: DDTreeCollector | None = None) -> Path:
     target = Path(textfile_dir) / TEXTFILE_NAME
     target.parent.mkdir(parents=True, exist_ok=True)
-    write_to_textfile(str(target), build_registry(state_root, systemd=systemd))
+    write_to_textfile(str(target), build_registry(state_root, systemd=systemd, collector=collector))
     os.chmod(target, 0o644)  # node_exporter runs as its own user
     return target
+
+
+def _warn_bad_files(collector: DDTreeCollector, verb: str) -> None:
+    for name, why in sorted(collector.bad_files.items()):
+        print(f"ddtree metrics {verb}: skipped {name}: {why}", file=sys.stderr)
 
 
 @contextlib.contextmanager
@@ -208,11 +294,23 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 def _atomic_json(path: Path, doc: dict[str, Any]) -> None:
+    text = json.dumps(doc, indent=2, allow_nan=False)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(doc, fh, indent=2)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _checked_unit(unit: str) -> str:
+    label = unit_label(unit)
+    if not _UNIT_NAME.match(label):
+        raise ValueError(f"--unit {unit[:60]!r} is not a systemd unit name")
+    return label
 
 
 def record_rollout(state_root: str, unit: str, outcome: str, *, release: str | None = None,
@@ -220,10 +318,19 @@ def record_rollout(state_root: str, unit: str, outcome: str, *, release: str | N
     """Count one rollout outcome for the unit in ROOT/rollout/UNIT.json (a persistent counter)."""
     if outcome not in OUTCOMES:
         raise ValueError(f"outcome {outcome!r}: use one of {', '.join(OUTCOMES)}")
-    path = Path(state_root) / "rollout" / f"{unit_label(unit)}.json"
+    path = Path(state_root) / "rollout" / f"{_checked_unit(unit)}.json"
     with _locked(path):
-        doc = _read_json(path) or {}
-        counts = {k: int(v) for k, v in (doc.get("counts") or {}).items()}
+        try:
+            old = _read_json(path) or {}
+            counts = {k: int(v) for k, v in _obj(old, "counts", path).items()
+                      if k in OUTCOMES and isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**53}
+        except BadStateFile as exc:
+            # Keep the broken file for whoever looks into it, and count afresh: a rollout is never lost.
+            aside = path.with_name(f"{path.name}.bad-{int(time.time())}")
+            os.replace(path, aside)
+            print(f"ddtree metrics: {exc}; moved it to {aside} and started the counts afresh",
+                  file=sys.stderr)
+            counts = {}
         counts[outcome] = counts.get(outcome, 0) + 1
         doc = {"counts": counts, "last": {"outcome": outcome, "release": release, "profile": profile,
                                           "cause": cause, "time": time.time()}}
@@ -233,10 +340,13 @@ def record_rollout(state_root: str, unit: str, outcome: str, *, release: str | N
 
 def record_probe(state_root: str, unit: str, report_path: str) -> Path:
     """Store a probe report as the unit's last probe (what `--write-report` does directly)."""
-    doc = _read_json(Path(report_path))
+    try:
+        doc = _read_json(Path(report_path))
+    except BadStateFile as exc:
+        raise ValueError(f"{report_path}: not a probe report ({exc})") from None
     if doc is None or "ok" not in doc or "probe" not in doc:
         raise ValueError(f"{report_path}: not a probe report (want the JSON of `ddtree probe ... --json`)")
-    path = Path(state_root) / "probe" / f"{unit_label(unit)}.json"
+    path = Path(state_root) / "probe" / f"{_checked_unit(unit)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     _atomic_json(path, doc)
     return path
@@ -244,36 +354,41 @@ def record_probe(state_root: str, unit: str, report_path: str) -> Path:
 
 def _listen(value: str) -> tuple[str, int]:
     host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit():
-        raise argparse.ArgumentTypeError(f"{value!r}: write ADDRESS:PORT, e.g. 127.0.0.1:9433")
+    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"{value!r}: write ADDRESS:PORT (port 1-65535), e.g. 127.0.0.1:9433")
+    host = host.removeprefix("[").removesuffix("]")  # [::1]:9433
     return host or "0.0.0.0", int(port)
 
 
 def _run(args: argparse.Namespace) -> int:
     systemd = not args.no_systemd
-    if args.metrics_command == "textfile" and not args.textfile_dir:
+    verb = args.metrics_command
+    if verb == "textfile" and not args.textfile_dir:
         print("ddtree metrics textfile: pass --textfile-dir DIR (node_exporter's "
               "--collector.textfile.directory)", file=sys.stderr)
         return 2
+    collector = DDTreeCollector(args.state_dir, systemd=systemd)
     try:
-        if args.metrics_command == "record-rollout":
+        if verb == "record-rollout":
             record_rollout(args.state_dir, args.unit, args.outcome, release=args.release,
                            profile=args.profile, cause=args.cause)
-        elif args.metrics_command == "record-probe":
+        elif verb == "record-probe":
             record_probe(args.state_dir, args.unit, args.report)
-        elif args.metrics_command == "show":
-            sys.stdout.write(generate_latest(build_registry(args.state_dir, systemd=systemd)).decode())
+        elif verb == "show":
+            sys.stdout.write(generate_latest(build_registry(collector=collector)).decode())
+            _warn_bad_files(collector, verb)
             return 0
-        elif args.metrics_command == "serve":
+        elif verb == "serve":
             host, port = args.listen
-            start_http_server(port, addr=host, registry=build_registry(args.state_dir, systemd=systemd))
+            start_http_server(port, addr=host, registry=build_registry(collector=collector))
             print(f"ddtree metrics: serving http://{host}:{port}/metrics from {args.state_dir}", flush=True)
             while True:
                 time.sleep(3600)
         if args.textfile_dir:
-            print(f"wrote {write_textfile(args.textfile_dir, args.state_dir, systemd=systemd)}")
+            print(f"wrote {write_textfile(args.textfile_dir, collector=collector)}")
+            _warn_bad_files(collector, verb)
     except (OSError, ValueError) as exc:
-        print(f"ddtree metrics {args.metrics_command}: {exc}", file=sys.stderr)
+        print(f"ddtree metrics {verb}: {exc}", file=sys.stderr)
         return 2
     return 0
 

@@ -5,27 +5,31 @@ live:   the server is ready, runs DDTREE with the expected handshake, answers fi
         and accepts enough draft tokens per verify step.
 
 Exit codes (an Ansible task gates on them): 0 pass, 1 a check failed, 2 bad input, 3 server not
-reachable or not ready in time. Host side: stdlib only (plus our contract and diagnose).
+reachable or not ready in time. Every HTTP exchange ends within its deadline (--timeout for readiness,
+--request-timeout for each request after it), however slowly the server answers, so `probe live`
+ends within --timeout + (prompts + 2) x --request-timeout. Host side: stdlib only (plus our contract,
+diagnose and http_client).
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddtree_runtime import diagnose
+from ddtree_runtime import diagnose, http_client
+from ddtree_runtime.http_client import HTTPFailure
 
 EXIT_PASS, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOT_READY = 0, 1, 2, 3
 
@@ -37,8 +41,13 @@ DEFAULT_PROMPTS = (
     "def fibonacci(n):",
 )
 
-# Contract causes that an operator knows under a diagnose id.
-_CONTRACT_CAUSE = {"fc_width_mismatch": "hidden_width_mismatch"}
+# Contract causes that an operator knows under a diagnose id (a repeated layer id is a width mismatch
+# at run time: SGLang captures the layer once).
+_CONTRACT_CAUSE = {"fc_width_mismatch": "hidden_width_mismatch",
+                   "layer_ids_repeated": "hidden_width_mismatch"}
+# Bounds on the arguments: a probe that may wait longer than a day is a typo, not a setting.
+MAX_WAIT_S = 86400.0
+MAX_PROMPT_CHARS = 100_000
 
 
 @dataclass
@@ -70,7 +79,24 @@ class Report:
         self.ok, self.exit_code, self.cause, self.message = False, exit_code, cause, message
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """JSON-ready and strict JSON: what a server sent (NaN, Infinity, deep nesting) is tamed."""
+        return _json_safe(asdict(self))
+
+
+def _json_safe(value: Any, depth: int = 0) -> Any:
+    if depth > 32:
+        return "<nested too deeply>"
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k)[:200]: _json_safe(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v, depth + 1) for v in value]
+    if isinstance(value, str):
+        return value if len(value) <= 20_000 else value[:20_000] + "..."
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 2**63:
+        return str(value)[:40] + "..."
+    return value
 
 
 class _ProbeInputError(ValueError):
@@ -83,9 +109,9 @@ class _ProbeInputError(ValueError):
 def static_probe(model_path: str, draft_model_path: str) -> Report:
     report = Report("static")
     for label, path in (("--model-path", model_path), ("--draft-model-path", draft_model_path)):
-        if not Path(path, "config.json").is_file():
-            report.fail(EXIT_BAD_INPUT, "bad_input",
-                        f"{label} {path}: no config.json there; pass the model directory (HF layout)")
+        problem = _model_dir_problem(path)
+        if problem:
+            report.fail(EXIT_BAD_INPUT, "bad_input", f"{label} {path}: {problem}")
             return report
     from ddtree_runtime.contract import ContractError, load_contract
 
@@ -118,25 +144,67 @@ def static_probe(model_path: str, draft_model_path: str) -> Report:
     return report
 
 
+def _model_dir_problem(path: str) -> str | None:
+    """Why a model path given on the command line is not one (bad input), or None."""
+    if not path:
+        return "empty path; pass the model directory (HF layout)"
+    try:
+        os.stat(os.path.join(path, "config.json"))
+    except FileNotFoundError:
+        return "no config.json there; pass the model directory (HF layout)"
+    except NotADirectoryError:
+        return "not a directory; pass the model directory (HF layout)"
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            return "permission denied; run the probe as a user that can read the model directories"
+        return f"cannot read it: {exc.strerror or exc}"
+    except ValueError as exc:  # e.g. a NUL byte in the path
+        return f"not a usable path ({exc})"
+    return None
+
+
 # ---------------------------------------------------------------------------- HTTP
 
 
 def http_request(url: str, *, payload: dict | None = None, timeout: float) -> tuple[int, bytes]:
-    """(status, body); HTTP errors are returned, connection errors raised (URLError/OSError)."""
-    data = None if payload is None else json.dumps(payload).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
+    """(status, body); HTTP error statuses are returned, failures raised as HTTPFailure (an OSError).
+
+    The whole exchange ends within `timeout` (see ddtree_runtime.http_client)."""
+    return http_client.request(url, payload=payload, timeout=timeout)
+
+
+class _BadResponse(ValueError):
+    """The server answered HTTP, but not what SGLang 0.5.23 answers: the message says what was off."""
 
 
 def _json(body: bytes) -> Any:
     try:
         return json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, 4300+ digit integers, deep nesting
         return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _count(value: Any, where: str, *, required: bool = True) -> int | None:
+    """A token or step count from a server answer: a non-negative integer of sane size."""
+    if value is None and not required:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 10**12:
+        shown = repr(value)[:60]
+        raise _BadResponse(f"{where} is {shown}, not a count (a non-negative integer)")
+    return value
+
+
+def _number(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _BadResponse(f"{where} is {repr(value)[:60]}, not a number")
+    try:
+        return float(value)
+    except OverflowError:
+        raise _BadResponse(f"{where} is an integer too large for a float") from None
 
 
 def _progress(msg: str) -> None:
@@ -149,7 +217,7 @@ def unit_gave_up(unit: str) -> bool:
     try:
         out = subprocess.run(["systemctl", "show", name, "-p", "ActiveState"], capture_output=True,
                              text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
+    except (OSError, subprocess.SubprocessError, ValueError):
         return False
     return out.strip() == "ActiveState=failed"
 
@@ -158,24 +226,35 @@ def wait_ready(base: str, timeout: float, report: Report, *, poll_s: float = 2.0
                unit: str | None = None) -> bool:
     """Poll /health_generate until 200 (SGLang answers 503 until warm-up is done).
 
-    With `unit`, stop early once systemd has given up on it: waiting longer cannot help.
+    With `unit`, stop early once systemd has given up on it: waiting longer cannot help. Something
+    on the port that does not speak HTTP fails at once (twice in a row: not a server warming up).
     """
     start = time.monotonic()
     deadline, last_note, last_state = start + timeout, start, "no answer yet"
     reached = refused_after_reached = False
+    not_http = 0
     while True:
         remaining = deadline - time.monotonic()
         try:
-            status, _ = http_request(f"{base}/health_generate", timeout=max(1.0, min(30.0, remaining)))
-            reached, refused_after_reached = True, False
+            status, _ = http_request(f"{base}/health_generate", timeout=min(30.0, max(remaining, 0.2)))
+            reached, refused_after_reached, not_http = True, False, 0
             if status == 200:
                 report.figures["ready_seconds"] = round(time.monotonic() - start, 3)
                 report.check("ready", True, f"/health_generate 200 after {report.figures['ready_seconds']} s")
                 return True
             last_state = f"HTTP {status}"
-        except (urllib.error.URLError, OSError) as exc:
-            last_state = f"{getattr(exc, 'reason', exc)}"
-            refused_after_reached = reached
+        except HTTPFailure as exc:
+            last_state = str(exc).split(": ", 1)[-1]
+            refused_after_reached = reached and exc.kind in (http_client.REFUSED, http_client.CLOSED)
+            # a peer that accepted the connection was reached, even if it never answered properly
+            reached = reached or exc.kind not in (http_client.REFUSED, http_client.UNREACHABLE)
+            not_http = not_http + 1 if exc.kind in (http_client.NOT_HTTP, http_client.TOO_LARGE) else 0
+            if not_http >= 2:
+                detail = f"{base}/health_generate: {last_state}"
+                report.checks.append(Check("ready", False, detail))
+                report.fail(EXIT_NOT_READY, "not_http", f"server not usable: {detail}; check what listens "
+                            f"on that port (ss -ltnp)")
+                return False
         now = time.monotonic()
         gave_up = unit is not None and unit_gave_up(unit)
         if now >= deadline or gave_up:
@@ -198,56 +277,178 @@ def wait_ready(base: str, timeout: float, report: Report, *, poll_s: float = 2.0
 # ---------------------------------------------------------------------------- live probe
 
 
+def _failure_cause(exc: HTTPFailure) -> str:
+    """After the server was ready: what a failed exchange says about it."""
+    if exc.kind == http_client.TIMEOUT:
+        return "request_timeout"
+    if exc.kind in (http_client.NOT_HTTP, http_client.TOO_LARGE):
+        return "bad_response"
+    return "connection_lost"  # refused, closed, unreachable: it answered a moment ago
+
+
+_FAILURE_HINT = {
+    "request_timeout": "the server is hung or overloaded; raise --request-timeout only if it is just slow",
+    "bad_response": "is this an SGLang server?",
+    "connection_lost": "the server died or restarted during the probe",
+}
+
+
 def _generate(base: str, prompts: list[str], max_new_tokens: int, timeout: float, report: Report) -> list:
-    metas, answers, started = [], [], time.monotonic()
+    """One greedy generation per prompt; returns (completion_tokens, spec_verify_ct or None) per answer."""
+    counts, answers, started = [], [], time.monotonic()
     for prompt in prompts:
         payload = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens}}
         try:
             status, body = http_request(f"{base}/generate", payload=payload, timeout=timeout)
-        except (urllib.error.URLError, OSError) as exc:
-            report.check("generate", False, f"POST /generate failed: {getattr(exc, 'reason', exc)}",
-                         "generation_failed")
-            return metas
+        except HTTPFailure as exc:
+            cause = _failure_cause(exc)
+            report.check("generate", False, f"{exc}; {_FAILURE_HINT[cause]}", cause)
+            return counts
         doc = _json(body)
         if status != 200 or not isinstance(doc, dict):
             text = body.decode(errors="replace")[:2000]
             found = diagnose.scan(text)  # the server's error often names the failure itself
             report.check("generate", False, f"HTTP {status}: {text}",
                          found[0].cause if found else "generation_failed")
-            return metas
-        answer = str(doc.get("text", ""))
-        answers.append({"prompt": prompt, "text": answer, "output_ids": doc.get("output_ids")})
-        metas.append(doc.get("meta_info") or {})
+            return counts
+        try:
+            answer, ids, tokens, verify = _parse_generation(doc)
+        except _BadResponse as exc:
+            report.check("generate", False, f"POST /generate answered 200 but {exc}: "
+                         "not an SGLang 0.5.23 answer", "bad_response")
+            return counts
+        answers.append({"prompt": prompt, "text": answer, "output_ids": ids})
+        counts.append((tokens, verify))
         if not answer.strip():
             report.check("generate", False, f"empty answer to {prompt!r}", "empty_answer")
-            return metas
+            return counts
     report.figures["generate_seconds"] = round(time.monotonic() - started, 3)
-    tokens = sum(int(m.get("completion_tokens", 0) or 0) for m in metas)
+    tokens = sum(t for t, _ in counts)
     report.figures["completion_tokens"] = tokens
     report.figures["answers"] = answers
     report.check("generate", True, f"{len(prompts)} prompt(s) answered at T=0, {tokens} tokens")
-    return metas
+    return counts
 
 
-def _accept_length(metas: list[dict], info: dict, base: str, timeout: float) -> tuple[float | None, str]:
-    """Tokens per verify step: per-request meta first, then server state, then /metrics."""
-    verify = sum(int(m.get("spec_verify_ct", 0) or 0) for m in metas)
+def _parse_generation(doc: dict) -> tuple[str, list[int] | None, int, int | None]:
+    text = doc.get("text")
+    if not isinstance(text, str):
+        raise _BadResponse(f"its text is {repr(text)[:60]}, not a string")
+    ids = doc.get("output_ids")
+    ids = ids if isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                               for t in ids) else None
+    meta = doc.get("meta_info")
+    if meta is None:
+        meta = {}
+    if not isinstance(meta, dict):
+        raise _BadResponse(f"its meta_info is {repr(meta)[:60]}, not an object")
+    tokens = _count(meta.get("completion_tokens", 0), "meta_info.completion_tokens")
+    verify = _count(meta.get("spec_verify_ct"), "meta_info.spec_verify_ct", required=False)
+    assert tokens is not None
+    return text, ids, tokens, verify
+
+
+def _accept_length(counts: list, info: dict, base: str, timeout: float) -> tuple[float | None, str]:
+    """Tokens per verify step: per-request meta first, then server state, then /metrics.
+
+    Raises _BadResponse when the server reports it in a shape SGLang never uses."""
+    verify = sum(v or 0 for _, v in counts)
     if verify > 0:
-        tokens = sum(int(m.get("completion_tokens", 0) or 0) for m in metas)
+        tokens = sum(t for t, _ in counts)
         return tokens / verify, "generate meta_info (completion_tokens / spec_verify_ct)"
-    states = [s.get("avg_spec_accept_length") for s in info.get("internal_states") or []
+    states = info.get("internal_states")
+    if states is not None and not isinstance(states, list):
+        raise _BadResponse(f"/server_info internal_states is {repr(states)[:60]}, not a list")
+    values = [_number(s["avg_spec_accept_length"], f"/server_info internal_states[{i}]'s accept length")
+              for i, s in enumerate(states or [])
               if isinstance(s, dict) and s.get("avg_spec_accept_length") is not None]
-    if states:
-        return sum(map(float, states)) / len(states), "server_info internal_states"
+    if values:
+        return sum(values) / len(values), "server_info internal_states"
     try:
         status, body = http_request(f"{base}/metrics", timeout=timeout)
-    except (urllib.error.URLError, OSError):
+    except HTTPFailure:
         return None, "not reported"
     if status == 200:
-        for line in body.decode(errors="replace").splitlines():
-            if line.startswith("sglang:spec_accept_length"):
-                return float(line.rsplit(" ", 1)[1]), "/metrics sglang:spec_accept_length"
+        value = _metric_value(body.decode(errors="replace"), "sglang:spec_accept_length")
+        if value is not None:
+            return value, "/metrics sglang:spec_accept_length"
     return None, "not reported"
+
+
+def _metric_value(text: str, name: str) -> float | None:
+    """The first sample of `name` in Prometheus text (labels and timestamp allowed); malformed lines of
+    other series are none of our business, a malformed sample of ours is a bad answer."""
+    for line in text.splitlines():
+        if not line.startswith(name) or line[len(name):len(name) + 1] not in ("{", " "):
+            continue
+        rest = line[len(name):]
+        if rest.startswith("{"):
+            close = _labels_end(rest)
+            if close < 0:
+                raise _BadResponse(f"/metrics line {line[:100]!r} is malformed (labels not closed)")
+            rest = rest[close + 1:]
+        fields = rest.split()
+        try:
+            return float(fields[0])
+        except (IndexError, ValueError):
+            raise _BadResponse(f"/metrics line {line[:100]!r} is malformed (no number)") from None
+    return None
+
+
+def _labels_end(text: str) -> int:
+    """Index of the `}` closing the label set at text[0] (quotes and escapes respected), or -1."""
+    quoted = escaped = False
+    for i, ch in enumerate(text):
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = quoted
+        elif ch == '"':
+            quoted = not quoted
+        elif ch == "}" and not quoted:
+            return i
+    return -1
+
+
+def _block_size(report: Report, info: dict) -> int | None:
+    """The most tokens one verify step can accept (bonus included): the drafter's block size."""
+    for value in (report.handshake.get("block_size"), info.get("speculative_dflash_block_size"),
+                  info.get("speculative_num_draft_tokens")):
+        if isinstance(value, int) and not isinstance(value, bool) and 2 <= value <= 10**6:
+            return value
+    return None
+
+
+def _check_accept_length(report: Report, info: dict, counts: list, base: str, timeout: float,
+                         min_accept_length: float | None) -> None:
+    try:
+        accept, source = _accept_length(counts, info, base, timeout)
+    except _BadResponse as exc:
+        report.check("accept_length", False, f"{exc}: not an SGLang 0.5.23 answer", "bad_response")
+        return
+    report.figures["accept_length_source"] = source
+    if accept is None:
+        report.figures["accept_length"] = None
+        if min_accept_length is not None:
+            report.check("accept_length", False, f"not reported by the server, minimum {min_accept_length:g}",
+                         "acceptance_low")
+        return
+    block = _block_size(report, info)
+    # Per-request meta counts the prefill's first token too: up to one token more than a block per request.
+    upper = None if block is None else block + (1 if source.startswith("generate") else 0)
+    valid = math.isfinite(accept) and accept >= 1 and (upper is None or accept <= upper)
+    report.figures["accept_length"] = round(accept, 4) if valid else None
+    if not valid:
+        bound = f"1..{upper}" if upper is not None else "at least 1"
+        report.figures["accept_length_reported"] = repr(accept)
+        report.check("accept_length", False, f"the server reports {accept!r} tokens per verify step "
+                     f"({source}), outside the possible range {bound} (block size {block}): its "
+                     "speculative counters are broken", "accept_length_invalid")
+        return
+    if min_accept_length is not None:
+        report.check("accept_length", accept >= min_accept_length,
+                     f"{accept:.3f} tokens per verify step, minimum {min_accept_length:g} ({source})",
+                     "acceptance_low")
 
 
 def _check_handshake(report: Report, hs: Any) -> None:
@@ -261,54 +462,86 @@ def _check_handshake(report: Report, hs: Any) -> None:
     report.figures.update(expected_hidden_width=exp, observed_hidden_width=obs, draft_fc_in_features=fc,
                           budget=hs.get("budget"))
     status = hs.get("status")
-    detail = f"status {status}, expected width {exp}, observed {obs}, drafter fc in_features {fc}"
+    detail = f"status {status!r}, expected width {exp!r}, observed {obs!r}, drafter fc in_features {fc!r}"
+
+    def width(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
     if status == "mismatch" or (obs is not None and obs != exp) or (fc is not None and fc != exp):
         report.check("handshake", False, detail, "hidden_width_mismatch")
     elif status == "missing":
         report.check("handshake", False, detail, "hidden_states_missing")
     elif status != "ok" or obs is None:
         report.check("handshake", False, detail + " (still pending after a generation)", "handshake_pending")
+    elif not (width(exp) and width(obs) and (fc is None or width(fc))):
+        report.check("handshake", False, detail + ": widths must be positive integers", "bad_response")
     else:
         report.check("handshake", True, detail)
+
+
+def check_live_args(url: str, *, timeout: float, request_timeout: float, max_new_tokens: int,
+                    min_accept_length: float | None, prompts: list[str] | None, poll_s: float = 2.0) -> str:
+    """The base URL; _ProbeInputError (exit 2) naming the first argument that cannot work."""
+    try:
+        base = http_client.check_base_url(url)
+    except ValueError as exc:
+        raise _ProbeInputError(f"--url {exc}") from None
+    for flag, value in (("--timeout", timeout), ("--request-timeout", request_timeout), ("poll_s", poll_s)):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                math.isfinite(value) and 0 < value <= MAX_WAIT_S):
+            raise _ProbeInputError(f"{flag} {value!r}: pass a number of seconds in (0, {MAX_WAIT_S:g}]")
+    if not _is_int(max_new_tokens) or not 1 <= max_new_tokens <= 100_000:
+        raise _ProbeInputError(f"--max-new-tokens {max_new_tokens!r}: pass an integer in 1..100000")
+    if min_accept_length is not None and not (
+            isinstance(min_accept_length, int | float) and math.isfinite(min_accept_length)
+            and 1 <= min_accept_length <= 10**4):
+        raise _ProbeInputError(f"--min-accept-length {min_accept_length!r}: pass a finite number >= 1 "
+                               "(tokens per verify step; 1.0 means no draft token is ever accepted)")
+    if prompts is not None:
+        if not prompts:
+            raise _ProbeInputError("--prompts: pass at least one prompt")
+        for prompt in prompts:
+            if not isinstance(prompt, str) or not prompt.strip() or len(prompt) > MAX_PROMPT_CHARS:
+                raise _ProbeInputError(f"--prompts {str(prompt)[:40]!r}: each prompt must be non-blank text "
+                                       f"of at most {MAX_PROMPT_CHARS} characters")
+    return base
 
 
 def live_probe(url: str, *, timeout: float = 600, min_accept_length: float | None = None,
                prompts: list[str] | None = None, max_new_tokens: int = 32, request_timeout: float = 120,
                expect: dict[str, str] | None = None, poll_s: float = 2.0, unit: str | None = None) -> Report:
     report = Report("live")
-    base = url.rstrip("/")
-    parts = urllib.parse.urlsplit(base)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise _ProbeInputError(f"--url {url!r} is not an http(s) URL; pass e.g. http://127.0.0.1:30000")
+    base = check_live_args(url, timeout=timeout, request_timeout=request_timeout,
+                           max_new_tokens=max_new_tokens, min_accept_length=min_accept_length,
+                           prompts=prompts, poll_s=poll_s)
     report.figures["url"] = base
     if not wait_ready(base, timeout, report, poll_s=poll_s, unit=unit):
         return report
-    metas = _generate(base, list(prompts or DEFAULT_PROMPTS), max_new_tokens, request_timeout, report)
+    counts = _generate(base, list(prompts or DEFAULT_PROMPTS), max_new_tokens, request_timeout, report)
     if not report.ok:
         return report
-    status, body = http_request(f"{base}/server_info", timeout=request_timeout)
+    try:
+        status, body = http_request(f"{base}/server_info", timeout=request_timeout)
+    except HTTPFailure as exc:
+        cause = _failure_cause(exc)
+        report.check("server_info", False, f"{exc}; {_FAILURE_HINT[cause]}", cause)
+        return report
     info = _json(body)
     if status != 200 or not isinstance(info, dict):
-        report.check("server_info", False, f"/server_info HTTP {status}", "server_info_unavailable")
+        shown = f"HTTP {status}" if status != 200 else "HTTP 200 but not a JSON object"
+        report.check("server_info", False, f"/server_info {shown}", "server_info_unavailable")
         return report
-    report.figures["version"] = info.get("version")
-    algorithm = str(info.get("speculative_algorithm") or "NONE").upper()
+    report.figures["version"] = str(info.get("version"))[:100]
+    algorithm = str(info.get("speculative_algorithm") or "NONE").upper()[:100]
     report.figures["speculative_algorithm"] = algorithm
     wanted = {"speculative_algorithm": "DDTREE", **(expect or {})}
-    wrong = [f"{k}={info.get(k)!r} (want {v})" for k, v in wanted.items()
+    wrong = [f"{k}={repr(info.get(k))[:100]} (want {v})" for k, v in wanted.items()
              if str(info.get(k)).upper() != str(v).upper()]
     report.check("flags", not wrong, "; ".join(wrong) or
                  ", ".join(f"{k}={info.get(k)}" for k in wanted), "flags_mismatch")
     if algorithm == "DDTREE":
         _check_handshake(report, info.get("ddtree_handshake"))
-    accept, source = _accept_length(metas, info, base, request_timeout)
-    report.figures["accept_length"] = None if accept is None else round(accept, 4)
-    report.figures["accept_length_source"] = source
-    if min_accept_length is not None:
-        shown = "not reported by the server" if accept is None else f"{accept:.3f}"
-        report.check("accept_length", accept is not None and accept >= min_accept_length,
-                     f"{shown} tokens per verify step, minimum {min_accept_length:g} ({source})",
-                     "acceptance_low")
+    _check_accept_length(report, info, counts, base, request_timeout, min_accept_length)
     if report.ok:
         report.message = (f"{base} ready, {algorithm}, handshake "
                           f"{report.handshake.get('status', 'n/a')}, accept length "
@@ -319,7 +552,9 @@ def live_probe(url: str, *, timeout: float = 600, min_accept_length: float | Non
 # ---------------------------------------------------------------------------- output
 
 
-_VAGUE_CAUSES = (None, "not_ready", "unreachable", "generation_failed")
+# Causes the unit's journal may name better (the server crashed, ran out of memory, ...).
+_VAGUE_CAUSES = (None, "not_ready", "unreachable", "generation_failed", "connection_lost", "request_timeout")
+_UNIT_NAME = re.compile(r"^[A-Za-z0-9:_.@\\-]{1,200}$")
 
 
 def attach_diagnosis(report: Report, unit: str, *, settle_s: float = 3.0) -> None:
@@ -340,14 +575,19 @@ def attach_diagnosis(report: Report, unit: str, *, settle_s: float = 3.0) -> Non
 
 
 def write_report(report: Report, path: str) -> None:
-    """Atomic write (temp file + rename), so a reader never sees half a report."""
+    """Atomic write (temp file + rename), so a reader never sees half a report; strict JSON."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(report.to_dict(), indent=2, allow_nan=False)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(report.to_dict(), fh, indent=2)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, target)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)  # no half-written temp file left behind
+        raise
 
 
 def format_report(report: Report) -> str:
@@ -366,10 +606,28 @@ def _emit(report: Report, args: argparse.Namespace) -> int:
     if getattr(args, "write_report", None):
         try:
             write_report(report, args.write_report)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             print(f"probe: cannot write {args.write_report}: {exc}", file=sys.stderr)
-    print(json.dumps(report.to_dict(), indent=2) if args.json else format_report(report))
+    print(json.dumps(report.to_dict(), indent=2, allow_nan=False) if args.json else format_report(report))
     return report.exit_code
+
+
+def _guarded(probe: str, run: Callable[[], Report]) -> Report:
+    """The last line of defence: a probe that cannot decide says so in one line and fails; it never
+    passes and never prints a traceback (DDTREE_DEBUG=1 re-raises, for a bug report)."""
+    try:
+        return run()
+    except _ProbeInputError as exc:
+        report = Report(probe)
+        report.fail(EXIT_BAD_INPUT, "bad_input", str(exc))
+        return report
+    except Exception as exc:
+        if os.environ.get("DDTREE_DEBUG"):
+            raise
+        report = Report(probe)
+        report.fail(EXIT_FAILED, "probe_error", f"the probe could not decide ({type(exc).__name__}: "
+                    f"{str(exc)[:200]}); treat it as failed; DDTREE_DEBUG=1 shows the traceback")
+        return report
 
 
 def _parse_expect(items: list[str]) -> dict[str, str]:
@@ -390,18 +648,19 @@ def _timed(report_fn: Callable[..., Report], *args: Any, **kwargs: Any) -> Repor
 
 
 def _run_static(args: argparse.Namespace) -> int:
-    return _emit(_timed(static_probe, args.model_path, args.draft_model_path), args)
+    report = _guarded("static", lambda: _timed(static_probe, args.model_path, args.draft_model_path))
+    return _emit(report, args)
 
 
 def _run_live(args: argparse.Namespace) -> int:
-    try:
-        report = _timed(live_probe, args.url, timeout=args.timeout, min_accept_length=args.min_accept_length,
-                            prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                            request_timeout=args.request_timeout, expect=_parse_expect(args.expect),
-                            unit=args.unit)
-    except _ProbeInputError as exc:
-        report = Report("live")
-        report.fail(EXIT_BAD_INPUT, "bad_input", str(exc))
+    def run() -> Report:
+        if args.unit is not None and not _UNIT_NAME.match(args.unit):
+            raise _ProbeInputError(f"--unit {args.unit[:60]!r} is not a systemd unit name")
+        return _timed(live_probe, args.url, timeout=args.timeout, min_accept_length=args.min_accept_length,
+                      prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                      request_timeout=args.request_timeout, expect=_parse_expect(args.expect), unit=args.unit)
+
+    report = _guarded("live", run)
     if not report.ok and args.unit and report.exit_code != EXIT_BAD_INPUT:
         attach_diagnosis(report, args.unit)
     return _emit(report, args)
