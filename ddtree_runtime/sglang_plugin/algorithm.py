@@ -110,13 +110,23 @@ def _record_of(server_args: Any) -> Any:
     return server_args
 
 
-def _hybrid_kind(record: Any) -> str | None:
-    """SGLang's own answer to "does this target keep recurrent state?" (None: pure attention)."""
+def is_chain(settings: dict[str, Any]) -> bool:
+    """The chain case (top-k cap 1, budget = block - 1): exactly DFlash's argmax chain, decoded by
+    DFlash's own code."""
+    return settings["topk_cap"] == 1 and settings["budget"] == settings["block_size"] - 1
+
+
+def _hybrid_kind(record: Any) -> tuple[str | None, str]:
+    """SGLang's own answer to "does this target keep recurrent state, and of which kind?"
+    (``hybrid.hybrid_kind``; None: pure attention), and the config class it read."""
     from sglang.srt.arg_groups.model_override_base import model_config_of
     from sglang.srt.configs.hybrid_arch import mambaish_config
 
-    state_config = mambaish_config(model_config_of(record))
-    return None if state_config is None else type(state_config).__name__
+    from ddtree_runtime.sglang_plugin.hybrid import hybrid_kind
+
+    model_config = model_config_of(record)
+    state_config = mambaish_config(model_config)
+    return hybrid_kind(model_config), type(state_config).__name__
 
 
 def _check_contract(target: str, draft: str) -> dict[str, Any] | None:
@@ -152,14 +162,17 @@ def resolve_server_args(server_args: Any) -> None:
     if block < 2:
         raise DDTreeConfigError(f"DDTREE needs a drafter block of at least 2 (got {block}).")
     budget = args.budget if args.budget is not None else block - 1
-    check_hybrid(str(cfg.model_path), _hybrid_kind(record), allow_hybrid=args.allow_hybrid)
+    chain = is_chain({"topk_cap": args.topk_cap, "budget": budget, "block_size": block})
+    kind, config_class = _hybrid_kind(record)
+    check_hybrid(
+        str(cfg.model_path), kind, config_class, allow_hybrid=args.allow_hybrid, chain=chain, block=block
+    )
     contract = _check_contract(str(cfg.model_path), str(cfg.speculative_draft_model_path))
     sizes = {
         "speculative_dflash_block_size": block,
         "speculative_num_draft_tokens": max(budget + 1, block),
     }
-    is_chain = args.topk_cap == 1 and budget == block - 1
-    if not is_chain and not cfg.disable_overlap_schedule:
+    if not chain and not cfg.disable_overlap_schedule:
         # The chain case is DFlash's own decode (overlap-capable); a tree's build and walk are
         # synchronous with the verify result.
         logger.info("DDTREE runs tree configurations without the overlap scheduler.")
@@ -171,6 +184,7 @@ def resolve_server_args(server_args: Any) -> None:
         "topk_cap": args.topk_cap,
         "block_size": block,
         "allow_hybrid": args.allow_hybrid,
+        "hybrid_kind": kind,
         "contract": contract,
     }
     # Bookkeeping attribute: pickled to every scheduler process with the record.

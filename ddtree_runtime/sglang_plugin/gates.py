@@ -105,21 +105,65 @@ def check_refusals(cfg: Any) -> None:
 
 
 HYBRID_REASON = (
-    "In a recurrent layer (Mamba / gated delta net / linear attention) the state advances token by "
-    "token in row order, so an attention mask cannot keep sibling tree nodes apart: every tree node "
-    "needs its own recurrent state (read from its parent, written to its own slot) and the accepted "
-    "leaf's state must be committed afterwards. SGLang 0.5.23's hybrid backends build tree metadata "
-    "only for EAGLE top-k > 1 and commit DFLASH state by row count, so DDTREE would verify such a "
-    "target wrongly."
+    "In a recurrent layer the state advances token by token in row order, so an attention mask "
+    "cannot keep sibling tree nodes apart: every tree node needs its own recurrent state (read from "
+    "its parent, written to its own row) and the accepted leaf's state must be committed afterwards. "
+    "SGLang 0.5.23 does that only for Gated DeltaNet layers (parent-pointer conv and recurrent "
+    "kernels, per-row scratch, tree-aware commit), which DDTREE uses."
 )
+GDN = "gdn"
+TREE_HYBRID_KINDS = (GDN,)  # hybrid kinds (hybrid.hybrid_kind) whose tree verify and commit DDTREE runs
+KIND_NOTES = {
+    GDN: "Gated DeltaNet layers (Qwen3-Next / Qwen3.5 / Qwen3.6)",
+    "mamba2": (
+        "Mamba / Mamba2 (SSD) layers (Nemotron-H, Falcon-H1, LFM2, Granite hybrids, ...): SGLang "
+        "0.5.23's Mamba2 verify path (FlashInfer or Triton SSD kernels) takes no parent pointers"
+    ),
+    "kda": (
+        "Kimi Delta Attention layers (Kimi-Linear, Bailing KDA, GLM-5 Next): their tree verify was "
+        "not audited for DDTREE's trees"
+    ),
+    "lightning": "lightning-attention (seg_la) layers (Bailing / MiniCPM hybrids): no tree verify kernel",
+}
 
 
-def check_hybrid(target_path: str, hybrid_kind: str | None, *, allow_hybrid: bool) -> None:
-    """Refuse a hybrid target unless the operator overrode the gate explicitly."""
-    if hybrid_kind is None or allow_hybrid:
+def kind_note(kind: str) -> str:
+    return KIND_NOTES.get(kind, f"{kind} layers: not audited for DDTREE's trees")
+
+
+def check_hybrid(
+    target_path: str,
+    kind: str | None,
+    config_class: str = "",
+    *,
+    allow_hybrid: bool,
+    chain: bool,
+    block: int,
+) -> None:
+    """The hybrid gate.
+
+    * pure attention, and GDN hybrids (Qwen3-Next / Qwen3.5 / Qwen3.6): start, trees included;
+    * every other recurrent kind: refused, naming what starts instead;
+    * ``--speculative-ddtree-allow-hybrid`` starts such a kind in the chain case only (top-k cap 1,
+      budget = block - 1), which DFlash's own code decodes and commits; it never starts a tree on
+      an unaudited kind. On GDN hybrids it changes nothing.
+    """
+    if kind is None or kind in TREE_HYBRID_KINDS:
         return
+    if allow_hybrid and chain:
+        return
+    chain_flags = f"--speculative-ddtree-topk-cap 1 --speculative-ddtree-budget {block - 1}"
+    what_starts = (
+        f"What starts instead: --speculative-algorithm DFLASH, or DDTREE's chain case ({chain_flags} "
+        "--speculative-ddtree-allow-hybrid), which DFlash's own code decodes."
+    )
+    if allow_hybrid:
+        raise DDTreeConfigError(
+            f"DDTREE refuses a tree on the hybrid target {target_path} ({config_class}: "
+            f"{kind_note(kind)}). --speculative-ddtree-allow-hybrid starts the chain case only. "
+            f"{HYBRID_REASON} {what_starts}"
+        )
     raise DDTreeConfigError(
-        f"DDTREE refuses the hybrid target {target_path} ({hybrid_kind}). {HYBRID_REASON} "
-        "Serve it with --speculative-algorithm DFLASH (chain verify), or pass "
-        "--speculative-ddtree-allow-hybrid to start anyway at your own risk."
+        f"DDTREE refuses the hybrid target {target_path} ({config_class}: {kind_note(kind)}). "
+        f"{HYBRID_REASON} {what_starts}"
     )

@@ -14,13 +14,13 @@ from typing import Any
 import torch
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch, ForwardMode
 from sglang.srt.runtime_context import get_parallel
-from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.dflash_utils import apply_dflash_verify_logits_adjustments
 from sglang.srt.speculative.dflash_worker_v2 import _resolve_dflash_embedding_module
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import draft_tp_context
 from torch import Tensor
 
+from ddtree_runtime.sglang_plugin.hybrid import DDTreeVerifyInput, tree_verify_branch
 from ddtree_runtime.sglang_plugin.tree_step import TreeVerifyBatch
 
 
@@ -131,26 +131,31 @@ class SGLangRoundModels:
             write_virtual=cache_loc,
             read_extent=rows,
         )
-        verify = DFlashVerifyInput(
+        verify = DDTreeVerifyInput(
             draft_token=plan.draft_token,
             positions=plan.positions,  # prefix + depth: siblings share a position
             draft_token_num=rows,
             custom_mask=plan.custom_mask,  # ancestor-only tree block, prefix visible
             capture_hidden_mode=CaptureHiddenMode.FULL,
             kv_loc_plan=kv_plan,
+            # GDN layers (hybrid targets): the tree's links, rows in parent-before-child order
+            retrieve_next_token=plan.retrieve_next_token,
+            retrieve_next_sibling=plan.retrieve_next_sibling,
         )
         batch.out_cache_loc = cache_loc
         saved = batch.seq_lens_cpu, batch.seq_lens_sum
         if batch.seq_lens_cpu is not None:
             batch.seq_lens_cpu = batch.seq_lens_cpu + rows
             batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
-        forward_batch, _ = verify.prepare_for_verify(batch, w.target_worker)
-        batch.seq_lens_cpu, batch.seq_lens_sum = saved
-        # Eager verify: the captured target-verify graphs were recorded without a tree mask.
-        forward_batch.can_run_decode_cuda_graph = False
-        out = w.target_worker.forward_batch_generation(
-            batch=None, forward_batch=forward_batch, is_verify=True
-        )
+        runner = w.target_worker.model_runner
+        with tree_verify_branch(runner.attn_backend):  # GDN layers follow the tree's parents
+            forward_batch, _ = verify.prepare_for_verify(batch, w.target_worker)
+            batch.seq_lens_cpu, batch.seq_lens_sum = saved
+            # Eager verify: the captured target-verify graphs were recorded without a tree mask.
+            forward_batch.can_run_decode_cuda_graph = False
+            out = w.target_worker.forward_batch_generation(
+                batch=None, forward_batch=forward_batch, is_verify=True
+            )
         self.last_target_out = out
         logits_output = out.logits_output
         logits = logits_output.next_token_logits

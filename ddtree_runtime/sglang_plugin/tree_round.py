@@ -10,7 +10,9 @@ The round (ddtree-algorithm.md section 3) is the same whatever runs the models:
    right after it;
 4. the walk: greedy, or lossless sampling at T > 0 (``walk_sample``: a genuine target sample at
    every node, never min(1, p/q));
-5. stop tokens truncate the emitted tokens (and with them the committed rows);
+5. stop tokens truncate the emitted tokens (and with them the committed rows); on a hybrid
+   target the accepted node's recurrent state is committed now (``commit_state``), before any
+   other target forward;
 6. the accepted rows' KV become the next logical rows (``tree_commit``);
 7. the drafter gets the target hidden states of the accepted rows gathered by NODE INDEX (never
    a contiguous prefix of the verify rows), appended to its KV at consecutive positions.
@@ -212,8 +214,11 @@ def run_tree_round(
     release: Callable[[Tensor], None] | None = None,
     generator: torch.Generator | None = None,
     on_hidden: Callable[[Tensor | None], None] | None = None,
+    commit_state: Callable[[Tensor, Tensor], None] | None = None,
 ) -> RoundOutput:
-    """One decode round for a batch (see module docstring). ``release``: see ``tree_commit``."""
+    """One decode round for a batch (see module docstring). ``release``: see ``tree_commit``.
+    ``commit_state(accept_index [b, L+1], commit_lens [b])``: hybrid targets' recurrent-state
+    commit of the accepted rows (flat verify rows, -1 padded), called right after the walk."""
     device = req_to_token.device
     idx = inp.req_pool_indices.long().to(device)
     prefix = inp.prefix_lens.long().to(device)
@@ -252,6 +257,8 @@ def run_tree_round(
     accept = TreeAccept(
         walk=walk, accept_index=accept_index, accept_length=walk.num_accepted - 1, bonus=walk.bonus
     )
+    if commit_state is not None:
+        commit_state(accept_index, walk.num_emitted)
 
     # 6) KV commit
     kv = commit_accepted_kv(

@@ -35,8 +35,8 @@ import torch
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
 from ddtree_runtime.contract import ContractError, HiddenContract, check_hidden_states, load_contract
-from ddtree_runtime.sglang_plugin.algorithm import published_settings, resolved_settings
-from ddtree_runtime.sglang_plugin.gates import DDTreeConfigError
+from ddtree_runtime.sglang_plugin.algorithm import is_chain, published_settings, resolved_settings
+from ddtree_runtime.sglang_plugin.gates import GDN, DDTreeConfigError, kind_note
 from ddtree_runtime.sglang_plugin.handshake import HandshakeMetrics, HandshakeState, static_handshake
 
 logger = logging.getLogger(__name__)
@@ -111,10 +111,6 @@ class TreeDecodeNotAvailable(DDTreeConfigError):
     """A configuration the tree decode round cannot serve (the message says why and what starts)."""
 
 
-def is_chain(settings: dict[str, Any]) -> bool:
-    return settings["topk_cap"] == 1 and settings["budget"] == settings["block_size"] - 1
-
-
 def check_tree_decode_support(settings: dict[str, Any], cfg: Any) -> None:
     """Start-up refusals of the tree round, from the launch flags (chain configurations run
     DFlash's decode and pass)."""
@@ -141,10 +137,7 @@ def check_tree_worker_features(settings: dict[str, Any], worker: Any) -> None:
         return
     hits = []
     if getattr(worker, "_need_mamba_verify_commit", False):
-        hits.append(
-            "a hybrid (recurrent-state) target: the tree round does not commit the accepted "
-            "leaf's recurrent state (--speculative-ddtree-allow-hybrid only starts the chain case)"
-        )
+        hits.extend(_hybrid_tree_problems(settings, worker.target_worker.model_runner))
     for attr, what in (("selector", "a selector draft head"), ("lilicorr", "a LiLiCorr draft head")):
         if getattr(worker, attr, None) is not None:
             hits.append(f"{what}: the tree needs the drafter's full logits per depth")
@@ -152,6 +145,20 @@ def check_tree_worker_features(settings: dict[str, Any], worker: Any) -> None:
         hits.append("a Domino drafter: its rollout replaces the per-depth logits the tree ranks")
     if hits:
         raise TreeDecodeNotAvailable(_tree_refusal(settings, hits))
+
+
+def _hybrid_tree_problems(settings: dict[str, Any], runner: Any) -> list[str]:
+    """A recurrent-state target: only GDN layers, with dense per-row scratch wide enough."""
+    from ddtree_runtime.sglang_plugin.hybrid import HybridScratchError, check_tree_scratch, hybrid_kind
+
+    kind = hybrid_kind(runner.model_config)
+    if kind != GDN:
+        return [f"a hybrid target with {kind_note(str(kind))}"]
+    try:
+        check_tree_scratch(runner.req_to_token_pool, int(settings["budget"]) + 1)
+    except HybridScratchError as exc:
+        return [f"a GDN hybrid target whose state pool cannot hold a tree: {exc}"]
+    return []
 
 
 def _tree_refusal(settings: dict[str, Any], hits: list[str]) -> str:
@@ -252,6 +259,15 @@ class DDTreeWorker(DFlashWorkerV2):
             window=int(self.speculative_num_draft_tokens),  # the reservation the round writes
         )
         models = self._round_models(batch)
+        commit_state = None
+        if getattr(self, "_need_mamba_verify_commit", False):
+            # GDN hybrid: the accepted node's recurrent state, committed after the walk and the
+            # stop truncation, before any other target forward (hybrid.commit_tree_state).
+            from ddtree_runtime.sglang_plugin.hybrid import commit_tree_state
+
+            def commit_state(accept_index: torch.Tensor, commit_lens: torch.Tensor) -> None:
+                commit_tree_state(self.target_worker, batch, accept_index, commit_lens, cfg.verify_rows)
+
         result = run_tree_round(
             models,
             round_input(batch, draft_input.bonus_tokens),
@@ -260,6 +276,7 @@ class DDTreeWorker(DFlashWorkerV2):
             kv_pool=runner.token_to_kv_pool,
             contract=self._ddtree_contract,
             on_hidden=self._observe_hidden,
+            commit_state=commit_state,
         )
         if on_publish is not None:
             on_publish(result.new_seq_lens)

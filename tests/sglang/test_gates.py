@@ -1,4 +1,4 @@
-"""Start-up refusals and the hybrid gate, through SGLang's real resolution pipeline."""
+"""Start-up refusals, through SGLang's real resolution pipeline (the hybrid gate: test_hybrid_gates.py)."""
 
 from __future__ import annotations
 
@@ -57,28 +57,3 @@ def test_all_refusals_are_reported_at_once(sglang_plugins, pair):
         resolve(ddtree_argv(*pair, "--enable-layernorm-sp", "--attention-backend", "flashinfer"))
     text = str(exc.value)
     assert "--enable-layernorm-sp" in text and "'flashinfer'" in text
-
-
-def test_hybrid_target_is_refused_with_the_reason(sglang_plugins, tmp_path):
-    from ddtree_runtime.sglang_plugin.gates import DDTreeConfigError
-    from tests.fixtures_models import write_pair
-
-    target, draft = write_pair(tmp_path, "qwen3.6-27b")
-    with pytest.raises(DDTreeConfigError) as exc:
-        resolve(ddtree_argv(target, draft, "--disable-radix-cache"))
-    text = str(exc.value)
-    assert "hybrid target" in text and "Qwen3_5" in text
-    assert "every tree node" in text and "recurrent state" in text
-    assert "--speculative-ddtree-allow-hybrid" in text
-
-
-def test_hybrid_override_flag_lets_it_start(sglang_plugins, tmp_path):
-    from tests.fixtures_models import write_pair
-
-    target, draft = write_pair(tmp_path, "qwen3.6-27b")
-    record, cfg = resolve(
-        ddtree_argv(target, draft, "--disable-radix-cache", "--speculative-ddtree-allow-hybrid")
-    )
-    assert record._ddtree_resolved["allow_hybrid"] is True
-    assert record._ddtree_resolved["contract"]["fc_in_features"] == 25600
-    assert cfg.speculative_num_draft_tokens == 16

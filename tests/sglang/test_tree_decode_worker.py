@@ -233,10 +233,10 @@ def test_the_gpu_adapter_speaks_the_pinned_releases_api():
     import inspect
 
     from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
-    from sglang.srt.speculative.dflash_info import DFlashVerifyInput
     from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
     from ddtree_runtime.sglang_plugin import sglang_round
+    from ddtree_runtime.sglang_plugin.hybrid import DDTreeVerifyInput
 
     source = inspect.getsource(sglang_round)
 
@@ -254,7 +254,7 @@ def test_the_gpu_adapter_speaks_the_pinned_releases_api():
 
     checks = {
         "ForwardBatch": sglang_round.ForwardBatch,
-        "DFlashVerifyInput": DFlashVerifyInput,
+        "DDTreeVerifyInput": DDTreeVerifyInput,
         "kv_index_translator.plan": KVIndexTranslator.plan,
         "apply_dflash_verify_logits_adjustments": sglang_round.apply_dflash_verify_logits_adjustments,
         "._append_target_hidden_to_draft_kv_by_loc": DFlashWorkerV2._append_target_hidden_to_draft_kv_by_loc,

@@ -1,0 +1,173 @@
+"""DDTREE trees on hybrid Gated DeltaNet (GDN) targets, through SGLang 0.5.23's own tree machinery.
+
+SGLang already verifies trees on GDN layers for EAGLE top-k > 1 (docs/hybrid-verify.md): the conv
+kernel derives each row's parent from first-child / next-sibling links and convolves every token with
+its own ancestors; the recurrent kernel starts row i from parent(i)'s saved state; every row's state
+and conv window go to per-row scratch; a tree-aware commit copies the accepted node's state into the
+request's slot. DDTREE reaches that code with four seams, no edited SGLang file
+(docs/sglang-plugin-sites.md, "Hybrid GDN targets"):
+
+1. ``DDTreeVerifyInput``: DFlash's verify input plus ``retrieve_next_token`` /
+   ``retrieve_next_sibling`` (our tree's links, rows in parent-before-child order), the fields the
+   hybrid backend reads in its tree branch;
+2. ``tree_verify_branch``: the backend decides "tree" from ``self.topk``, read once at start-up from
+   ``speculative_eagle_topk`` (1 under DDTREE); it is raised for the span of a DDTREE verify;
+3. ``conv_window_dedup_hook``: SGLang picks the deduplicated (overlapping) conv scratch for top-k <= 1
+   on CUDA, right only for chains; for DDTREE trees the pool gets the dense per-row layout;
+4. ``commit_tree_state``: ``spec_utils.commit_mamba_states_after_verify`` with the walk's accepted
+   rows (after stop-token truncation), which maps the accepted leaf to its node index (and the mamba
+   radix track slots), before any other target forward.
+
+Hybrid kinds whose verify kernels take no parent pointers, or that nobody audited for them, are
+refused at start-up (``gates.check_hybrid``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+from torch import Tensor
+
+from ddtree_runtime.sglang_plugin.gates import GDN
+
+logger = logging.getLogger(__name__)
+
+CONV_WINDOW_DEDUP = "sglang.srt.mem_cache.memory_pool.conv_window_dedup_enabled"
+# Any top-k above 1 selects SGLang's tree branch and dense conv scratch; DDTREE has no top-k of its
+# own (the tree's branching varies per node), so it states "a tree" with the smallest such value.
+TREE_TOPK = 2
+
+def hybrid_kind(model_config: Any) -> str | None:
+    """SGLang's own classification of a target's recurrent layers: ``"gdn"``, ``"mamba2"``,
+    ``"kda"``, ``"lightning"``, ``"linear-attention:<spec>"`` (a registry model), or None (pure
+    attention)."""
+    from sglang.srt.configs import hybrid_arch
+
+    for kind, probe in (
+        ("mamba2", hybrid_arch.mamba2_config),
+        (GDN, hybrid_arch.hybrid_gdn_config),
+        ("kda", hybrid_arch.hybrid_kda_config),
+        ("lightning", hybrid_arch.hybrid_lightning_config),
+    ):
+        if probe(model_config) is not None:
+            return kind
+    if hybrid_arch.mambaish_config(model_config) is None:
+        return None
+    spec = hybrid_arch.linear_attn_model_spec(model_config)
+    return f"linear-attention:{getattr(spec, 'name', None) or type(spec).__name__}"
+
+
+# --- seam 1: the verify input --------------------------------------------------------------------
+@dataclass
+class DDTreeVerifyInput(DFlashVerifyInput):
+    """DFlash's verify input with the tree links SGLang's hybrid backend reads in its tree branch
+    (``hybrid_linear_attn_backend.py`` ~298): ``[bs, B+1]`` local row indices, -1 = none."""
+
+    retrieve_next_token: Tensor | None = None
+    retrieve_next_sibling: Tensor | None = None
+
+
+# --- seam 2: the backend's tree branch -----------------------------------------------------------
+def linear_attention_backend(attn_backend: Any) -> Any | None:
+    """The ``MambaAttnBackendBase`` inside a ``HybridLinearAttnBackend`` (None for dense targets)."""
+    return getattr(attn_backend, "linear_attn_backend", None)
+
+
+@contextmanager
+def tree_verify_branch(attn_backend: Any) -> Iterator[None]:
+    """For the span of one DDTREE verify: the hybrid backend takes its tree branch (reads the tree
+    links, allocates ``retrieve_parent_token``, so the conv and recurrent kernels follow parents).
+    A no-op on dense targets."""
+    linear = linear_attention_backend(attn_backend)
+    if linear is None:
+        yield
+        return
+    saved = linear.topk
+    linear.topk = max(int(saved or 0), TREE_TOPK)
+    try:
+        yield
+    finally:
+        linear.topk = saved
+
+
+# --- seam 3: dense conv scratch ------------------------------------------------------------------
+def _ddtree_verifies_trees() -> bool:
+    from ddtree_runtime.sglang_plugin.algorithm import is_chain, published_settings
+
+    settings = published_settings()
+    return settings is not None and not is_chain(settings)
+
+
+def conv_window_dedup_hook(
+    original: Any, is_npu: bool, is_cpu: bool, speculative_eagle_topk: int | None, is_kda: bool
+) -> bool:
+    """``memory_pool.conv_window_dedup_enabled`` (AROUND): the overlapping conv scratch stores one
+    shared sliding window per request, which only a chain fills correctly. When DDTREE verifies
+    trees, ask SGLang's own rule as a tree (top-k > 1): it answers "dense"."""
+    if _ddtree_verifies_trees():
+        speculative_eagle_topk = max(int(speculative_eagle_topk or 0), TREE_TOPK)
+    return original(is_npu, is_cpu, speculative_eagle_topk, is_kda)
+
+
+def register_hybrid_hooks() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(CONV_WINDOW_DEDUP, conv_window_dedup_hook, HookType.AROUND)
+
+
+class HybridScratchError(RuntimeError):
+    """The hybrid state pool cannot hold a tree's per-row states (the message says why)."""
+
+
+def check_tree_scratch(req_to_token_pool: Any, verify_rows: int) -> None:
+    """Worker start: the pool's verify scratch exists, is wide enough for ``verify_rows`` rows,
+    and uses the dense per-row conv layout (the deduplicated view is an overlapping, hence
+    non-contiguous, ``as_strided`` tensor)."""
+    cache = getattr(getattr(req_to_token_pool, "mamba_pool", None), "mamba_cache", None)
+    windows = getattr(cache, "intermediate_conv_window", None)
+    if cache is None or windows is None or getattr(cache, "intermediate_ssm", None) is None:
+        raise HybridScratchError(
+            "the hybrid state pool has no per-row verify scratch (intermediate_ssm / "
+            "intermediate_conv_window): was it built without speculative draft tokens, or with "
+            "--enable-linear-replayssm-spec?"
+        )
+    steps = int(cache.intermediate_ssm.shape[2])
+    if steps < verify_rows:
+        raise HybridScratchError(
+            f"the hybrid verify scratch holds {steps} rows per request; a DDTREE verify writes "
+            f"{verify_rows} (budget + 1)"
+        )
+    for window in windows:
+        if not window.is_contiguous():
+            raise HybridScratchError(
+                "the hybrid pool's conv scratch uses the deduplicated chain layout, which commits "
+                "wrong conv windows for tree nodes; the ddtree plugin's hook on "
+                f"{CONV_WINDOW_DEDUP} did not run before the pool was built (is SGLANG_PLUGINS "
+                "set for the scheduler processes?)"
+            )
+
+
+# --- seam 4: the commit --------------------------------------------------------------------------
+def commit_tree_state(
+    target_worker: Any, batch: Any, accept_index: Tensor, commit_lens: Tensor, verify_rows: int
+) -> None:
+    """Commit each request's accepted node's SSM state and conv window (and the mamba radix track
+    slots) with SGLang's tree-aware commit. ``accept_index [b, L+1]``: flat verify rows of the
+    accepted path (root first, -1 padded), after stop-token truncation; ``commit_lens [b]``: the
+    rows kept (accepted drafts + bonus). Must run after the verify and before any other target
+    forward: the request's slot comes from the backend's current forward metadata."""
+    from sglang.srt.speculative.spec_utils import commit_mamba_states_after_verify
+
+    commit_mamba_states_after_verify(
+        target_worker,
+        batch,
+        accept_lens=commit_lens.to(torch.int64),
+        accept_index=accept_index.to(torch.int64),
+        draft_token_num=int(verify_rows),
+    )
