@@ -73,9 +73,10 @@ def add_ddtree_arguments(parser: argparse.ArgumentParser) -> None:
         "--speculative-ddtree-allow-hybrid",
         action="store_true",
         default=False,
-        help="DDTREE only. Serve a hybrid (Mamba / gated delta net / linear attention) target "
-        "anyway. Unsafe: every tree node needs its own recurrent state, which SGLang's hybrid "
-        "backends do not keep for DDTREE trees.",
+        help="DDTREE only. Start the chain case (--speculative-ddtree-topk-cap 1, budget = block - 1, "
+        "decoded by DFlash's own code) on a hybrid target whose recurrent layers DDTREE does not "
+        "verify trees on (Mamba2, KDA, lightning attention, ...). Gated DeltaNet hybrids "
+        "(Qwen3-Next / Qwen3.5 / Qwen3.6) serve trees without it; no kind gets a tree through it.",
     )
 
 
