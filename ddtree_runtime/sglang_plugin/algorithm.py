@@ -118,11 +118,11 @@ def is_chain(settings: dict[str, Any]) -> bool:
 
 def _hybrid_kind(record: Any) -> tuple[str | None, str]:
     """SGLang's own answer to "does this target keep recurrent state, and of which kind?"
-    (``hybrid.hybrid_kind``; None: pure attention), and the config class it read."""
+    (``gates.hybrid_kind``; None: pure attention), and the config class it read."""
     from sglang.srt.arg_groups.model_override_base import model_config_of
     from sglang.srt.configs.hybrid_arch import mambaish_config
 
-    from ddtree_runtime.sglang_plugin.hybrid import hybrid_kind
+    from ddtree_runtime.sglang_plugin.gates import hybrid_kind
 
     model_config = model_config_of(record)
     state_config = mambaish_config(model_config)

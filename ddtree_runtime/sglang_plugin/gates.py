@@ -112,7 +112,7 @@ HYBRID_REASON = (
     "kernels, per-row scratch, tree-aware commit), which DDTREE uses."
 )
 GDN = "gdn"
-TREE_HYBRID_KINDS = (GDN,)  # hybrid kinds (hybrid.hybrid_kind) whose tree verify and commit DDTREE runs
+TREE_HYBRID_KINDS = (GDN,)  # hybrid kinds whose tree verify and commit DDTREE runs
 KIND_NOTES = {
     GDN: "Gated DeltaNet layers (Qwen3-Next / Qwen3.5 / Qwen3.6)",
     "mamba2": (
@@ -125,6 +125,26 @@ KIND_NOTES = {
     ),
     "lightning": "lightning-attention (seg_la) layers (Bailing / MiniCPM hybrids): no tree verify kernel",
 }
+
+
+def hybrid_kind(model_config: Any) -> str | None:
+    """SGLang's own classification of a target's recurrent layers: ``"gdn"``, ``"mamba2"``,
+    ``"kda"``, ``"lightning"``, ``"linear-attention:<spec>"`` (a registry model), or None (pure
+    attention)."""
+    from sglang.srt.configs import hybrid_arch
+
+    for kind, probe in (
+        ("mamba2", hybrid_arch.mamba2_config),
+        (GDN, hybrid_arch.hybrid_gdn_config),
+        ("kda", hybrid_arch.hybrid_kda_config),
+        ("lightning", hybrid_arch.hybrid_lightning_config),
+    ):
+        if probe(model_config) is not None:
+            return kind
+    if hybrid_arch.mambaish_config(model_config) is None:
+        return None
+    spec = hybrid_arch.linear_attn_model_spec(model_config)
+    return f"linear-attention:{getattr(spec, 'name', None) or type(spec).__name__}"
 
 
 def kind_note(kind: str) -> str:

@@ -19,7 +19,7 @@ request's slot. DDTREE reaches that code with four seams, no edited SGLang file
    radix track slots), before any other target forward.
 
 Hybrid kinds whose verify kernels take no parent pointers, or that nobody audited for them, are
-refused at start-up (``gates.check_hybrid``).
+refused at start-up (``gates.check_hybrid``, on ``gates.hybrid_kind``).
 """
 
 from __future__ import annotations
@@ -34,34 +34,12 @@ import torch
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from torch import Tensor
 
-from ddtree_runtime.sglang_plugin.gates import GDN
-
 logger = logging.getLogger(__name__)
 
 CONV_WINDOW_DEDUP = "sglang.srt.mem_cache.memory_pool.conv_window_dedup_enabled"
 # Any top-k above 1 selects SGLang's tree branch and dense conv scratch; DDTREE has no top-k of its
 # own (the tree's branching varies per node), so it states "a tree" with the smallest such value.
 TREE_TOPK = 2
-
-def hybrid_kind(model_config: Any) -> str | None:
-    """SGLang's own classification of a target's recurrent layers: ``"gdn"``, ``"mamba2"``,
-    ``"kda"``, ``"lightning"``, ``"linear-attention:<spec>"`` (a registry model), or None (pure
-    attention)."""
-    from sglang.srt.configs import hybrid_arch
-
-    for kind, probe in (
-        ("mamba2", hybrid_arch.mamba2_config),
-        (GDN, hybrid_arch.hybrid_gdn_config),
-        ("kda", hybrid_arch.hybrid_kda_config),
-        ("lightning", hybrid_arch.hybrid_lightning_config),
-    ):
-        if probe(model_config) is not None:
-            return kind
-    if hybrid_arch.mambaish_config(model_config) is None:
-        return None
-    spec = hybrid_arch.linear_attn_model_spec(model_config)
-    return f"linear-attention:{getattr(spec, 'name', None) or type(spec).__name__}"
-
 
 # --- seam 1: the verify input --------------------------------------------------------------------
 @dataclass

@@ -36,7 +36,7 @@ from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
 from ddtree_runtime.contract import ContractError, HiddenContract, check_hidden_states, load_contract
 from ddtree_runtime.sglang_plugin.algorithm import is_chain, published_settings, resolved_settings
-from ddtree_runtime.sglang_plugin.gates import GDN, DDTreeConfigError, kind_note
+from ddtree_runtime.sglang_plugin.gates import GDN, DDTreeConfigError, hybrid_kind, kind_note
 from ddtree_runtime.sglang_plugin.handshake import HandshakeMetrics, HandshakeState, static_handshake
 
 logger = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ def check_tree_worker_features(settings: dict[str, Any], worker: Any) -> None:
 
 def _hybrid_tree_problems(settings: dict[str, Any], runner: Any) -> list[str]:
     """A recurrent-state target: only GDN layers, with dense per-row scratch wide enough."""
-    from ddtree_runtime.sglang_plugin.hybrid import HybridScratchError, check_tree_scratch, hybrid_kind
+    from ddtree_runtime.sglang_plugin.hybrid import HybridScratchError, check_tree_scratch
 
     kind = hybrid_kind(runner.model_config)
     if kind != GDN:

@@ -93,7 +93,7 @@ def test_hybrid_kind_is_sglangs_classification(sglang_plugins, tmp_path):
     from sglang.srt.arg_groups.model_override_base import model_config_of
     from sglang.srt.server_args import prepare_server_args
 
-    from ddtree_runtime.sglang_plugin.hybrid import hybrid_kind
+    from ddtree_runtime.sglang_plugin.gates import hybrid_kind
     from tests.fixtures_models import write_pair
 
     kinds = {}
