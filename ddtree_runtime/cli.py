@@ -16,6 +16,7 @@ _TOP_LEVEL = (
     "ddtree_runtime.tree_cli",
     "ddtree_runtime.probe",
     "ddtree_runtime.diagnose",
+    "ddtree_runtime.planner.cli",
     "ddtree_runtime.metrics",
     "ddtree_runtime.ops.fleet",
     "ddtree_runtime.canary",

@@ -23,7 +23,10 @@ __all__ = [
     "HiddenContract",
     "build_target_layer_ids",
     "check_hidden_states",
+    "describe_model_files",
     "load_contract",
+    "read_checkpoint_tensors",
+    "read_config",
     "read_safetensors_header",
 ]
 
@@ -180,7 +183,9 @@ def _parse_json(raw: bytes, where: str, cause: str) -> Any:
         raise ContractError(cause, f"{where} is not valid JSON: {str(exc)[:120]}") from None
 
 
-def _read_config(model_dir: Path, role: str) -> dict[str, Any]:
+def read_config(model_dir: str | Path, role: str) -> dict[str, Any]:
+    """A model directory's ``config.json`` as a dict; ``role`` ("target"/"draft") names it in errors."""
+    model_dir = Path(model_dir)
     path = model_dir / "config.json"
     try:
         info = model_dir.stat()
@@ -351,6 +356,81 @@ def _fc_key(names: dict[str, Any], where: Path) -> str:
     )
 
 
+def _weight_files(model_dir: Path, role: str) -> list[Path]:
+    """Every safetensors file of a checkpoint: the shards its index names, else the ``*.safetensors``."""
+    index = model_dir / "model.safetensors.index.json"
+    if os.path.lexists(index):
+        try:
+            doc = read_json_file(index, "safetensors index", cause="bad_safetensors")
+        except ContractError as exc:
+            raise ContractError(
+                "bad_safetensors", f"{index} is not a valid safetensors index: {exc}"
+            ) from None
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ContractError("bad_safetensors", f"{index} has no weight_map")
+        names = sorted({v for v in weight_map.values() if isinstance(v, str)})
+        # Shards are files next to the index (as in _find_fc_weight): a hostile index cannot point elsewhere.
+        bad = [v for v in weight_map.values() if not isinstance(v, str) or not v or "/" in v or "\\" in v
+               or v in (".", "..")]
+        if bad:
+            raise ContractError(
+                "bad_safetensors", f"{index} maps tensors to {str(bad[0])[:80]!r}, not a shard file name"
+            )
+        return [model_dir / name for name in names]
+    try:
+        found = sorted(model_dir.glob("*.safetensors"))
+    except OSError as exc:
+        raise ContractError("bad_safetensors", f"cannot list {model_dir}: {_reason(exc)}") from None
+    if not found:
+        raise ContractError(
+            "bad_safetensors",
+            f"{role} weights not found in {model_dir}: "
+            "no model.safetensors.index.json and no .safetensors files",
+        )
+    return found
+
+
+def read_checkpoint_tensors(model_dir: str | Path, role: str = "target") -> dict[str, dict[str, Any]]:
+    """``name -> {"dtype", "shape"}`` for every tensor of a checkpoint, from the headers alone.
+
+    Each entry's ``data_offsets`` must match its shape and dtype (a corrupt header is refused), so a
+    caller may size the weights from these entries without reading a byte of tensor data.
+    """
+    model_dir = Path(model_dir)
+    tensors: dict[str, dict[str, Any]] = {}
+    for path in _weight_files(model_dir, role):
+        for name, entry in read_safetensors_header(path).items():
+            if name == "__metadata__":
+                continue
+            shape = entry.get("shape") if isinstance(entry, dict) else None
+            dtype = entry.get("dtype") if isinstance(entry, dict) else None
+            offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+            if not (isinstance(shape, list) and all(_is_count(s) for s in shape)):
+                raise ContractError("bad_safetensors", f"{path}: {name} has no valid shape ({shape!r})")
+            itemsize = _DTYPE_BYTES.get(str(dtype))
+            if itemsize is None:
+                raise ContractError("bad_safetensors", f"{path}: {name} has unknown dtype {dtype!r}")
+            numel = 1
+            for s in shape:
+                numel *= s
+            valid = isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
+            if not valid or offsets[1] - offsets[0] != numel * itemsize:
+                raise ContractError(
+                    "bad_safetensors",
+                    f"{path}: {name} data_offsets {offsets!r} do not match shape {shape} x {dtype}: "
+                    "corrupt header",
+                )
+            tensors[name] = {"dtype": str(dtype), "shape": [int(s) for s in shape]}
+    return tensors
+
+
+def describe_model_files(model_dir: str | Path, role: str) -> dict[str, Any]:
+    """What the memory planner reads of a model directory: its config and its tensor table (JSON-able)."""
+    return {"path": str(model_dir), "role": role, "config": read_config(model_dir, role),
+            "tensors": read_checkpoint_tensors(model_dir, role)}
+
+
 # --------------------------------------------------------------------------------------------
 # The contract
 
@@ -363,7 +443,7 @@ def load_contract(target_dir: str | Path, draft_dir: str | Path, *, check: bool 
     contract anyway (probes report the numbers themselves).
     """
     target_dir, draft_dir = Path(target_dir), Path(draft_dir)
-    target_cfg = _read_config(target_dir, "target")
+    target_cfg = read_config(target_dir, "target")
     tpath = target_dir / "config.json"
     text = target_cfg.get("text_config")
     text = text if isinstance(text, dict) else target_cfg  # Qwen3.5/3.6 nest the LM config
@@ -373,7 +453,7 @@ def load_contract(target_dir: str | Path, draft_dir: str | Path, *, check: bool 
     )
     assert hidden is not None and layers is not None
 
-    draft_cfg = _read_config(draft_dir, "draft")
+    draft_cfg = read_config(draft_dir, "draft")
     dpath = draft_dir / "config.json"
     dflash = draft_cfg.get("dflash_config") or {}
     if not isinstance(dflash, dict):
@@ -574,3 +654,32 @@ def check_hidden_states(
             "hidden_device_mismatch",
             f"target hidden states are on {hidden.device} but the drafter is on {device}",
         )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python3 contract.py describe TARGET_DIR DRAFT_DIR``: both directories as one JSON document.
+
+    This file imports only the standard library, so a deploy can send it to a host that has the model
+    files but no runtime installed yet (Ansible's script module) and plan from what it prints: the
+    same readers on the host as on the controller.
+    """
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 3 or args[0] != "describe":
+        print("usage: contract.py describe TARGET_DIR DRAFT_DIR", file=sys.stderr)
+        return 2
+    try:
+        doc = {
+            "target": describe_model_files(args[1], "target"),
+            "draft": describe_model_files(args[2], "draft"),
+        }
+    except ContractError as exc:
+        print(json.dumps({"error": str(exc), "cause": exc.cause}))
+        return 1
+    print(json.dumps(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

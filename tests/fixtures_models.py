@@ -21,21 +21,43 @@ from typing import Any
 QWEN36_27B_TARGET: dict[str, Any] = {
     "architectures": ["Qwen3_5ForConditionalGeneration"],
     "model_type": "qwen3_5",
+    "tie_word_embeddings": False,
     "text_config": {
         "model_type": "qwen3_5_text",
         "hidden_size": 5120,
         "num_hidden_layers": 64,
+        "intermediate_size": 17408,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
         "full_attention_interval": 4,
         "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 16,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 48,
         "vocab_size": 248320,
+        "max_position_embeddings": 262144,
+        "rms_norm_eps": 1e-6,
+        "dtype": "bfloat16",
     },
-    "vision_config": {"hidden_size": 1152},
+    "vision_config": {"hidden_size": 1152, "depth": 27, "intermediate_size": 4304, "num_heads": 16,
+                      "out_hidden_size": 5120, "patch_size": 16, "spatial_merge_size": 2,
+                      "temporal_patch_size": 2, "in_channels": 3},
+    "dtype": "bfloat16",
 }
 QWEN36_27B_DRAFT: dict[str, Any] = {
     "architectures": ["DFlashDraftModel"],
     "model_type": "qwen3",
     "hidden_size": 5120,
     "num_hidden_layers": 5,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 17408,
+    "max_position_embeddings": 262144,
+    "dtype": "bfloat16",
     "num_target_layers": 64,
     "block_size": 16,
     "layer_types": ["sliding_attention"] * 4 + ["full_attention"],
@@ -48,13 +70,25 @@ QWEN3_8B_TARGET: dict[str, Any] = {
     "model_type": "qwen3",
     "hidden_size": 4096,
     "num_hidden_layers": 36,
+    "intermediate_size": 12288,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
     "vocab_size": 151936,
+    "dtype": "bfloat16",
 }
 QWEN3_8B_DRAFT: dict[str, Any] = {
     "architectures": ["DFlashDraftModel"],
     "model_type": "qwen3",
     "hidden_size": 4096,
     "num_hidden_layers": 5,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 12288,
+    "max_position_embeddings": 40960,
+    "dtype": "bfloat16",
     "num_target_layers": 36,
     "block_size": 16,
     "dflash_config": {"target_layer_ids": [1, 9, 17, 25, 33], "mask_token_id": 151669},
@@ -149,4 +183,170 @@ def write_pair(
             draft_dir / "model.safetensors",
             {"fc.weight": ("BF16", [out, inp]), "hidden_norm.weight": ("BF16", [h])},
         )
+    return target_dir, draft_dir
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole checkpoints as header-only shards: every tensor of the real layouts, no data (for the planner).
+
+
+def _decoder_mlp(prefix: str, hidden: int, ffn: int) -> dict[str, tuple[str, list[int]]]:
+    return {
+        f"{prefix}.mlp.gate_proj.weight": ("BF16", [ffn, hidden]),
+        f"{prefix}.mlp.up_proj.weight": ("BF16", [ffn, hidden]),
+        f"{prefix}.mlp.down_proj.weight": ("BF16", [hidden, ffn]),
+        f"{prefix}.input_layernorm.weight": ("BF16", [hidden]),
+        f"{prefix}.post_attention_layernorm.weight": ("BF16", [hidden]),
+    }
+
+
+def qwen36_27b_tensors() -> dict[str, tuple[str, list[int]]]:
+    """Qwen3.6-27B's checkpoint layout (Hugging Face names): language model, vision tower, MTP head."""
+    text = QWEN36_27B_TARGET["text_config"]
+    h, ffn, vocab = text["hidden_size"], text["intermediate_size"], text["vocab_size"]
+    heads, kv, hd = text["num_attention_heads"], text["num_key_value_heads"], text["head_dim"]
+    vh, kh, dk, dv = (text["linear_num_value_heads"], text["linear_num_key_heads"],
+                      text["linear_key_head_dim"], text["linear_value_head_dim"])
+    conv_dim = vh * dv + 2 * kh * dk
+    lm = "model.language_model"
+    t: dict[str, tuple[str, list[int]]] = {
+        f"{lm}.embed_tokens.weight": ("BF16", [vocab, h]),
+        f"{lm}.norm.weight": ("BF16", [h]),
+        "lm_head.weight": ("BF16", [vocab, h]),
+    }
+    for i in range(text["num_hidden_layers"]):
+        p = f"{lm}.layers.{i}"
+        t.update(_decoder_mlp(p, h, ffn))
+        if (i + 1) % text["full_attention_interval"] == 0:
+            t.update({
+                f"{p}.self_attn.q_proj.weight": ("BF16", [heads * hd * 2, h]),  # query + output gate
+                f"{p}.self_attn.k_proj.weight": ("BF16", [kv * hd, h]),
+                f"{p}.self_attn.v_proj.weight": ("BF16", [kv * hd, h]),
+                f"{p}.self_attn.o_proj.weight": ("BF16", [h, heads * hd]),
+                f"{p}.self_attn.q_norm.weight": ("BF16", [hd]),
+                f"{p}.self_attn.k_norm.weight": ("BF16", [hd]),
+            })
+        else:
+            t.update({
+                f"{p}.linear_attn.in_proj_qkv.weight": ("BF16", [conv_dim, h]),
+                f"{p}.linear_attn.in_proj_z.weight": ("BF16", [vh * dv, h]),
+                f"{p}.linear_attn.in_proj_b.weight": ("BF16", [vh, h]),
+                f"{p}.linear_attn.in_proj_a.weight": ("BF16", [vh, h]),
+                f"{p}.linear_attn.conv1d.weight": ("BF16", [conv_dim, 1, text["linear_conv_kernel_dim"]]),
+                f"{p}.linear_attn.A_log": ("F32", [vh]),
+                f"{p}.linear_attn.dt_bias": ("BF16", [vh]),
+                f"{p}.linear_attn.norm.weight": ("F32", [dv]),
+                f"{p}.linear_attn.out_proj.weight": ("BF16", [h, vh * dv]),
+            })
+    vis = QWEN36_27B_TARGET["vision_config"]
+    vhid, vffn = vis["hidden_size"], vis["intermediate_size"]
+    t["model.visual.patch_embed.proj.weight"] = ("BF16", [vhid, 3, 2, 16, 16])
+    t["model.visual.pos_embed.weight"] = ("BF16", [2304, vhid])
+    for i in range(vis["depth"]):
+        p = f"model.visual.blocks.{i}"
+        t.update({
+            f"{p}.attn.qkv.weight": ("BF16", [3 * vhid, vhid]), f"{p}.attn.qkv.bias": ("BF16", [3 * vhid]),
+            f"{p}.attn.proj.weight": ("BF16", [vhid, vhid]), f"{p}.attn.proj.bias": ("BF16", [vhid]),
+            f"{p}.mlp.linear_fc1.weight": ("BF16", [vffn, vhid]),
+            f"{p}.mlp.linear_fc1.bias": ("BF16", [vffn]),
+            f"{p}.mlp.linear_fc2.weight": ("BF16", [vhid, vffn]),
+            f"{p}.mlp.linear_fc2.bias": ("BF16", [vhid]),
+            f"{p}.norm1.weight": ("BF16", [vhid]), f"{p}.norm1.bias": ("BF16", [vhid]),
+            f"{p}.norm2.weight": ("BF16", [vhid]), f"{p}.norm2.bias": ("BF16", [vhid]),
+        })
+    merged = vhid * 4
+    t.update({
+        "model.visual.merger.norm.weight": ("BF16", [vhid]),
+        "model.visual.merger.norm.bias": ("BF16", [vhid]),
+        "model.visual.merger.linear_fc1.weight": ("BF16", [merged, merged]),
+        "model.visual.merger.linear_fc2.weight": ("BF16", [vis["out_hidden_size"], merged]),
+    })
+    # the MTP head (SGLang skips it unless it drafts with it)
+    t.update({"mtp.fc.weight": ("BF16", [h, 2 * h]), "mtp.norm.weight": ("BF16", [h]),
+              "mtp.pre_fc_norm_embedding.weight": ("BF16", [h]),
+              "mtp.pre_fc_norm_hidden.weight": ("BF16", [h])})
+    t.update(_decoder_mlp("mtp.layers.0", h, ffn))
+    t.update({
+        "mtp.layers.0.self_attn.q_proj.weight": ("BF16", [heads * hd * 2, h]),
+        "mtp.layers.0.self_attn.k_proj.weight": ("BF16", [kv * hd, h]),
+        "mtp.layers.0.self_attn.v_proj.weight": ("BF16", [kv * hd, h]),
+        "mtp.layers.0.self_attn.o_proj.weight": ("BF16", [h, heads * hd]),
+    })
+    return t
+
+
+def dflash_draft_tensors(draft: dict[str, Any], fc_in: int) -> dict[str, tuple[str, list[int]]]:
+    """A DFlash drafter's layout (z-lab names): decoder layers, fc, norms; embedding and head are shared."""
+    h, ffn = draft["hidden_size"], draft["intermediate_size"]
+    heads, kv, hd = draft["num_attention_heads"], draft["num_key_value_heads"], draft["head_dim"]
+    t: dict[str, tuple[str, list[int]]] = {
+        "fc.weight": ("BF16", [h, fc_in]), "hidden_norm.weight": ("BF16", [h]), "norm.weight": ("BF16", [h]),
+    }
+    for i in range(draft["num_hidden_layers"]):
+        p = f"layers.{i}"
+        t.update(_decoder_mlp(p, h, ffn))
+        t.update({
+            f"{p}.self_attn.q_proj.weight": ("BF16", [heads * hd, h]),
+            f"{p}.self_attn.k_proj.weight": ("BF16", [kv * hd, h]),
+            f"{p}.self_attn.v_proj.weight": ("BF16", [kv * hd, h]),
+            f"{p}.self_attn.o_proj.weight": ("BF16", [h, heads * hd]),
+            f"{p}.self_attn.q_norm.weight": ("BF16", [hd]),
+            f"{p}.self_attn.k_norm.weight": ("BF16", [hd]),
+        })
+    return t
+
+
+def qwen3_8b_tensors() -> dict[str, tuple[str, list[int]]]:
+    """Qwen3-8B's checkpoint layout (dense attention, untied head)."""
+    c = QWEN3_8B_TARGET
+    h, ffn, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    heads, kv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    t: dict[str, tuple[str, list[int]]] = {
+        "model.embed_tokens.weight": ("BF16", [vocab, h]), "model.norm.weight": ("BF16", [h]),
+        "lm_head.weight": ("BF16", [vocab, h]),
+    }
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        t.update(_decoder_mlp(p, h, ffn))
+        t.update({
+            f"{p}.self_attn.q_proj.weight": ("BF16", [heads * hd, h]),
+            f"{p}.self_attn.k_proj.weight": ("BF16", [kv * hd, h]),
+            f"{p}.self_attn.v_proj.weight": ("BF16", [kv * hd, h]),
+            f"{p}.self_attn.o_proj.weight": ("BF16", [h, heads * hd]),
+        })
+    return t
+
+
+def write_sharded_header_only(
+    model_dir: Path, tensors: dict[str, tuple[str, list[int]]], shards: int
+) -> None:
+    """Header-only shards plus model.safetensors.index.json, as Hugging Face lays out big checkpoints."""
+    names = list(tensors)
+    per = -(-len(names) // shards)
+    weight_map = {}
+    for s in range(shards):
+        part = {n: tensors[n] for n in names[s * per:(s + 1) * per]}
+        if not part:
+            continue
+        fname = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        nbytes = {n: _numel(shape) * (4 if dtype == "F32" else 2) for n, (dtype, shape) in part.items()}
+        (model_dir / fname).write_bytes(safetensors_header_bytes(part, nbytes=nbytes))
+        weight_map.update(dict.fromkeys(part, fname))
+    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+    (model_dir / "model.safetensors.index.json").write_text(json.dumps(index), encoding="utf-8")
+
+
+def write_full_checkpoint_pair(
+    root: Path, name: str = "qwen3.6-27b", *, shards: int = 4
+) -> tuple[Path, Path]:
+    """Configs plus every tensor's header (no data) for a target/drafter pair: what the planner reads."""
+    target_cfg, draft_cfg, (_, fc_in) = PAIRS[name]
+    target_dir, draft_dir = root / f"{name}-full-target", root / f"{name}-full-draft"
+    write_config(target_dir, target_cfg)
+    write_config(draft_dir, draft_cfg)
+    target_tensors = qwen36_27b_tensors() if name == "qwen3.6-27b" else qwen3_8b_tensors()
+    write_sharded_header_only(target_dir, target_tensors, shards)
+    draft_tensors = dflash_draft_tensors(draft_cfg, fc_in)
+    nbytes = {n: _numel(shape) * 2 for n, (_, shape) in draft_tensors.items()}
+    (draft_dir / "model.safetensors").write_bytes(safetensors_header_bytes(draft_tensors, nbytes=nbytes))
     return target_dir, draft_dir

@@ -224,7 +224,7 @@ FAILURES = [
     ("mismatched_drafter", {"sglang_draft_model_path": "/var/lib/ddtree/models/draft-mismatched"},
      "hidden_width_mismatch", False),
     ("unknown_profile", {"sglang_profile": "turbo"},
-     "must be one of: balanced, shadow, shadow-small, shadow-small-nograph", False),
+     "must be one of: balanced, balanced-tp2, shadow, shadow-small, shadow-small-nograph", False),
 ]
 
 

@@ -31,8 +31,8 @@ def test_unknown_profile_names_the_valid_choices():
     result = run("sglang_profile=turbo")
     assert result.returncode != 0
     # The role's argument spec refuses it first (Ansible's own message, with the choices).
-    assert ("sglang_service_profile must be one of: balanced, shadow, shadow-small, shadow-small-nograph, "
-            "got: turbo") in result.stdout
+    assert ("sglang_service_profile must be one of: balanced, balanced-tp2, shadow, shadow-small, "
+            "shadow-small-nograph, got: turbo") in result.stdout
 
 
 def test_removed_flag_spelling_is_refused():

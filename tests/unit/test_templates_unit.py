@@ -119,17 +119,17 @@ def test_flags_use_the_pinned_spelling(rendered, profile):
     assert parsed.port == PROFILES[profile]["port"]
 
 
-def test_profiles_cover_the_four_names_and_the_memory_knobs():
-    assert set(PROFILES) == {"balanced", "shadow", "shadow-small", "shadow-small-nograph"}
+def test_profiles_cover_the_names_and_the_memory_knobs():
+    assert set(PROFILES) == {"balanced", "balanced-tp2", "shadow", "shadow-small", "shadow-small-nograph"}
     for name, profile in PROFILES.items():
         flags = profile["flags"]
-        for knob in ("mem-fraction-static", "context-length", "max-running-requests",
+        for knob in ("tp-size", "mem-fraction-static", "context-length", "max-running-requests",
                      "mamba-radix-cache-strategy", "mamba-ssm-dtype", "max-mamba-cache-size",
                      "speculative-ddtree-budget"):
             assert knob in flags, (name, knob)
         assert ("cuda-graph-max-bs-decode" in flags) != bool(flags.get("disable-cuda-graph")), name
     assert PROFILES["shadow-small-nograph"]["flags"]["disable-cuda-graph"] is True
-    assert PROFILES["balanced"]["port"] == 30000
+    assert PROFILES["balanced"]["port"] == PROFILES["balanced-tp2"]["port"] == 30000
     assert {PROFILES[p]["port"] for p in ("shadow", "shadow-small", "shadow-small-nograph")} == {30001}
 
 

@@ -1,0 +1,232 @@
+"""``ddtree plan``: will this profile fit these GPUs? The table (or ``--json``), the verdict, the fixes.
+
+Exit codes: 0 fits, 1 does not fit (or only with a smaller context), 2 bad input. Inputs:
+
+- the models: ``--model-path`` + ``--draft-model-path`` (read here), or ``--models-json FILE|-``
+  (``python3 contract.py describe TARGET DRAFT`` output, as a deploy gathers it from the host);
+- the settings: ``--profile NAME`` (profiles.yml) or ``--flags-json``, then SGLang launch flags
+  after ``--`` (``-- --tp-size 2 --mem-fraction-static 0.8``), then ``--tp-size``;
+- the GPUs: ``--gpus 2xA6000``, ``--nvidia-smi FILE|-`` (its CSV), ``--gpus-json`` (the inventory's
+  ``ddtree_gpus``); without any, this host's nvidia-smi, else the profile's ``runs_on``;
+- a shadow beside a live service: ``--beside-profile``/``--beside-flags-json`` (+
+  ``--beside-visible-devices``): the live server's claim is taken off the GPUs first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from ddtree_runtime.planner import gpus as gpu_facts
+from ddtree_runtime.planner.accounting import Plan, plan_memory
+from ddtree_runtime.planner.fixes import propose_changes
+from ddtree_runtime.planner.report import format_plan, plan_to_dict
+from ddtree_runtime.planner.settings import ServeSettings, from_flags
+from ddtree_runtime.planner.shapes import ModelPair, PlanError, load_model_pair, model_pair_from_description
+
+PROFILES_FILE = Path(__file__).resolve().parents[2] / "roles" / "sglang_service" / "vars" / "profiles.yml"
+
+
+def load_profiles(path: str | Path | None = None) -> dict[str, Any]:
+    """``sglang_service_profiles`` from profiles.yml (the checkout's, unless ``path``)."""
+    path = Path(path) if path else PROFILES_FILE
+    try:
+        import yaml
+    except ModuleNotFoundError:
+        raise PlanError(
+            "reading profiles.yml needs PyYAML (pip install pyyaml); or pass --flags-json"
+        ) from None
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise PlanError(f"{path} not found: pass --profiles FILE, or the flags with --flags-json") from None
+    profiles = (data or {}).get("sglang_service_profiles")
+    if not isinstance(profiles, dict):
+        raise PlanError(f"{path} has no sglang_service_profiles mapping")
+    return profiles
+
+
+def parse_launch_flags(argv: list[str]) -> dict[str, Any]:
+    """``--name value`` / ``--name`` (boolean) pairs of an SGLang command line."""
+    flags: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if not word.startswith("--"):
+            raise PlanError(f"cannot read launch flag {word!r}: write them as SGLang does, --name value")
+        name, eq, value = word[2:].partition("=")
+        if eq:
+            flags[name] = value
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            flags[name] = argv[i + 1]
+            i += 1
+        else:
+            flags[name] = True
+        i += 1
+    return flags
+
+
+def _visible(text: str | None) -> list[int] | None:
+    if text is None or str(text).strip() == "":
+        return None
+    try:
+        return [int(x) for x in str(text).split(",") if x.strip() != ""]
+    except ValueError:
+        raise PlanError(f"visible devices must be GPU indices like 0,1 (got {text!r})") from None
+
+
+def _read(source: str) -> str:
+    return sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
+
+
+def _gpus(args: argparse.Namespace, runs_on: dict[str, Any] | None) -> list[gpu_facts.GpuFacts]:
+    if args.gpus:
+        return gpu_facts.parse_shorthand(args.gpus)
+    if args.nvidia_smi:
+        return gpu_facts.parse_nvidia_smi_csv(_read(args.nvidia_smi))
+    if args.gpus_json:
+        return gpu_facts.from_declared(json.loads(args.gpus_json))
+    if shutil.which("nvidia-smi"):
+        out = subprocess.run(gpu_facts.NVIDIA_SMI_COMMAND, capture_output=True, text=True, timeout=60)
+        if out.returncode != 0:
+            raise PlanError(
+                f"nvidia-smi failed ({out.returncode}): {out.stderr.strip() or out.stdout.strip()}"
+            )
+        return gpu_facts.parse_nvidia_smi_csv(out.stdout)
+    if runs_on and runs_on.get("gpus"):
+        return gpu_facts.parse_shorthand(str(runs_on["gpus"]))
+    raise PlanError("which GPUs? give --gpus (e.g. 1xH200, 2xA6000), --nvidia-smi FILE or --gpus-json")
+
+
+def _models(args: argparse.Namespace) -> ModelPair:
+    if args.models_json:
+        try:
+            return model_pair_from_description(json.loads(_read(args.models_json)))
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"--models-json is not JSON ({exc.msg})") from None
+    if not (args.model_path and args.draft_model_path):
+        raise PlanError("give --model-path and --draft-model-path (or --models-json)")
+    return load_model_pair(args.model_path, args.draft_model_path)
+
+
+def _settings(
+    args: argparse.Namespace,
+    profiles: dict[str, Any] | None,
+    name: str | None,
+    flags_json: str | None,
+    extra: list[str],
+) -> ServeSettings:
+    flags: dict[str, Any] = {}
+    if name:
+        if profiles is None:
+            profiles = load_profiles(args.profiles)
+        if name not in profiles:
+            raise PlanError(f"unknown profile {name!r}; profiles: {', '.join(profiles)}")
+        flags.update(profiles[name].get("flags") or {})
+    if flags_json:
+        flags.update(json.loads(flags_json))
+    flags.update(parse_launch_flags(extra))
+    return from_flags(flags)
+
+
+def plan_from_args(args: argparse.Namespace) -> tuple[Plan, list[Any]]:
+    profiles = None
+    runs_on = None
+    if args.profile and not args.flags_json:
+        profiles = load_profiles(args.profiles)
+        runs_on = (profiles.get(args.profile) or {}).get("runs_on")
+    pair = _models(args)
+    extra = list(args.launch_flags or [])
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    if args.tp_size is not None:
+        extra += ["--tp-size", str(args.tp_size)]
+    settings = _settings(args, profiles, args.profile, args.flags_json, extra)
+    host_gpus = _gpus(args, runs_on)
+    visible = _visible(args.visible_devices)
+    beside = args.beside_profile or (runs_on or {}).get("beside") if not args.beside_flags_json else None
+    if visible is None and runs_on and not (args.gpus or args.nvidia_smi or args.gpus_json):
+        visible = _visible(runs_on.get("cuda_visible_devices"))
+    claimed = None
+    notes: tuple[str, ...] = ()
+    if beside or args.beside_flags_json:
+        live_settings = _settings(args, profiles, beside, args.beside_flags_json, [])
+        claimed = live_claim(pair, host_gpus, live_settings, _visible(args.beside_visible_devices))
+        held = ", ".join(f"{gib:.1f} GiB on GPU {i}" for i, gib in sorted(claimed.items()))
+        notes = (f"beside the live service ({beside or 'given flags'}), which holds {held}",)
+    plan = plan_memory(
+        pair, host_gpus, settings, profile=args.profile, visible=visible, claimed_gib=claimed, notes=notes
+    )
+    changes = [] if args.no_proposals else propose_changes(plan, visible=visible, claimed_gib=claimed)
+    return plan, changes
+
+
+def live_claim(
+    pair: ModelPair, host_gpus: list[gpu_facts.GpuFacts], live: ServeSettings, visible: list[int] | None
+) -> dict[int, float]:
+    """GiB the live server holds on each of its GPUs: context + static pools + its graph/activation estimate.
+
+    Planned as at its own start (idle GPUs); what live leaves is the rest of each GPU's total.
+    """
+    idle = [gpu_facts.GpuFacts(g.index, g.name, g.total_mib, g.total_mib, g.source) for g in host_gpus]
+    plan = plan_memory(pair, idle, live, profile="live", visible=visible)
+    if not plan.used:
+        raise PlanError(f"the live service's profile does not place on this host: {plan.verdict.message}")
+    held = sum(plan.term(k).gib for k in ("context", "static") if plan.term(k))
+    act, room = plan.term("activations"), plan.term("headroom")
+    held += min(act.gib, room.gib) if act and room else 0.0
+    return {g.index: held for g in plan.used}
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        plan, changes = plan_from_args(args)
+    except PlanError as exc:
+        print(f"ddtree plan: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, json.JSONDecodeError) as exc:
+        print(f"ddtree plan: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(plan_to_dict(plan, changes), indent=2))
+    else:
+        print(format_plan(plan, changes, sources=args.sources))
+    return 0 if plan.verdict.fits else 1
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="will a profile fit the GPUs? SGLang's per-GPU memory terms, the verdict and the fixes",
+        description=__doc__.split("\n\n")[0] + " Exit 0: fits, 1: does not fit, 2: bad input.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  ddtree plan --model-path /srv/models/Qwen3.6-27B --draft-model-path "
+        "/srv/models/Qwen3.6-27B-DFlash --profile balanced --gpus 1xH200\n"
+        "  ddtree plan ... --gpus 2xA6000 -- --tp-size 2 --mamba-ssm-dtype bfloat16",
+    )
+    p.add_argument("--model-path", help="target model directory (config.json + safetensors)")
+    p.add_argument("--draft-model-path", help="DFlash drafter directory")
+    p.add_argument("--models-json", metavar="FILE", help="`contract.py describe` output instead ('-': stdin)")
+    p.add_argument("--profile", help="a profile of profiles.yml")
+    p.add_argument("--profiles", metavar="FILE", help=f"profiles file (default {PROFILES_FILE})")
+    p.add_argument(
+        "--flags-json", metavar="JSON", help="the flags as JSON, e.g. '{\"mem-fraction-static\": 0.8}'"
+    )
+    p.add_argument("--tp-size", type=int, default=None, help="tensor-parallel size (overrides the profile)")
+    p.add_argument("--gpus", help="GPUs as COUNTxNAME: 1xH200, 2xA6000, 1xH100, ...")
+    p.add_argument("--nvidia-smi", metavar="FILE", help="nvidia-smi --query-gpu CSV ('-': stdin)")
+    p.add_argument("--gpus-json", metavar="JSON", help="the inventory's ddtree_gpus as JSON")
+    p.add_argument("--visible-devices", metavar="IDS", help="CUDA_VISIBLE_DEVICES of the server (e.g. 2,3)")
+    p.add_argument("--beside-profile", metavar="NAME", help="plan beside a live service running this profile")
+    p.add_argument("--beside-flags-json", metavar="JSON", help="the live service's flags as JSON")
+    p.add_argument("--beside-visible-devices", metavar="IDS", help="the live service's CUDA_VISIBLE_DEVICES")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.add_argument("--sources", action="store_true", help="name the SGLang function behind each term")
+    p.add_argument("--no-proposals", action="store_true", help="skip the search for changes that fit")
+    p.add_argument("launch_flags", nargs=argparse.REMAINDER, help="SGLang flags after --")
+    p.set_defaults(func=_run)
