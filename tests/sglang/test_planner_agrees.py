@@ -143,7 +143,7 @@ def sizing(sglang_plugins, monkeypatch):
     os.environ.update(saved)
 
 
-HYBRID = {"speculative-ddtree-allow-hybrid": True, "mamba-radix-cache-strategy": "extra_buffer"}
+HYBRID = {"mamba-radix-cache-strategy": "extra_buffer"}
 CASES = [
     # name, pair, flags, free GiB per GPU
     ("hybrid balanced (mamba cache pinned, caps running requests)", "hybrid",
@@ -156,7 +156,7 @@ CASES = [
      {**HYBRID, "mem-fraction-static": 0.8, "context-length": 65536, "max-running-requests": 24,
       "speculative-ddtree-budget": 32}, 140.4),
     ("hybrid, no radix cache, no_buffer", "hybrid",
-     {"speculative-ddtree-allow-hybrid": True, "disable-radix-cache": True, "mem-fraction-static": 0.88,
+     {"disable-radix-cache": True, "mem-fraction-static": 0.88,
       "max-running-requests": 12, "speculative-ddtree-budget": 24}, 140.4),
     ("dense", "dense",
      {"mem-fraction-static": 0.8, "context-length": 40960, "max-running-requests": 64}, 79.6),
@@ -170,7 +170,7 @@ def test_planner_matches_sglang_sizing(sizing, pairs, name, which, flags, free_g
     target, draft = pairs[which]
     sg = sizing(target, draft, flags)
     pair = load_model_pair(target, draft)
-    settings = from_flags({k: v for k, v in flags.items() if k != "speculative-ddtree-allow-hybrid"})
+    settings = from_flags(flags)
     tp = settings.tp_size
     gpus = [GpuFacts(i, "GPU", int(free_gib * 1024) + 1, int(free_gib * 1024)) for i in range(tp)]
     plan = plan_memory(pair, gpus, settings)
@@ -220,7 +220,7 @@ def test_planner_finds_the_hybrid_state_failure_sglang_raises(sizing, pairs):
              "mamba-ssm-dtype": "float32", "speculative-ddtree-budget": 64}
     sg = sizing(target, draft, flags)
     pair = load_model_pair(target, draft)
-    settings = from_flags({k: v for k, v in flags.items() if k != "speculative-ddtree-allow-hybrid"})
+    settings = from_flags(flags)
     plan = plan_memory(pair, [GpuFacts(0, "NVIDIA H200", H200_MIB, H200_MIB)], settings)
     assert plan.verdict.status == "does_not_fit" and plan.verdict.term == "speculative_scratch"
     pre = plan.term("pre_load").gib
@@ -237,7 +237,7 @@ def test_gpu_size_defaults_and_auto_fraction_match_sglang(sizing, pairs, gpu_mem
     flags = {**(HYBRID if which == "hybrid" else {}), "max-running-requests": 16}
     sg = sizing(target, draft, flags, gpu_mem_mib=gpu_mem_mib)
     pair = load_model_pair(target, draft)
-    settings = from_flags({k: v for k, v in flags.items() if k != "speculative-ddtree-allow-hybrid"})
+    settings = from_flags(flags)
     r = resolve(settings, pair, gpu_mem_mib)
     cfg = sg.cfg
     assert r.chunked_prefill_size == cfg.chunked_prefill_size
