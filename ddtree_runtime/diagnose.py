@@ -2,6 +2,11 @@
 
 `scan()` is pure text in, findings out, so the roles (on the host, after a failed start), the
 operator CLI and the fleet tool (over SSH) all share one set of patterns. Host side: stdlib only.
+
+Out-of-memory findings name the memory planner's term that ran out (``term``: the keys of
+``ddtree plan``'s breakdown, e.g. ``speculative_scratch``) and the change that frees it; given the
+plan itself (``--plan``, the JSON of ``ddtree plan --json``) they quote its figures and proposals.
+This module imports nothing of ours: ``ddtree diagnose HOST`` (over SSH) is wired in by ops/fleet.py.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ class Finding:
     evidence: str   # the journal line that shows it (the last one when it repeats)
     fix: str        # what to do next
     count: int = 1  # how many journal lines matched
+    term: str | None = None  # the memory planner's term that ran out (out-of-memory causes only)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -34,6 +40,7 @@ class _Rule:
     patterns: tuple[re.Pattern[str], ...]
     summary: str
     fix: str
+    term: str | None = None
 
 
 def _rx(*texts: str) -> tuple[re.Pattern[str], ...]:
@@ -44,21 +51,47 @@ def _rx(*texts: str) -> tuple[re.Pattern[str], ...]:
 # timeout is usually the result of one of the causes above it).
 _RULES: tuple[_Rule, ...] = (
     _Rule(
+        "weights_exceed_static_pool",
+        _rx(r"Loaded weights leave no GPU memory for the KV cache"),
+        "the weights (and, on a hybrid target, the speculative scratch and recurrent state taken before "
+        "this check) filled the static pool: nothing was left for the KV cache",
+        "the static pool is mem-fraction-static x the memory free at start: raise mem-fraction-static to the "
+        "value SGLang names if the run-time headroom allows it, else spread the weights over more GPUs "
+        "(tp-size) or shrink the speculative scratch (max-running-requests, mamba-ssm-dtype bfloat16, "
+        "speculative-ddtree-budget); `ddtree plan --profile PROFILE` prints each term and the smallest "
+        "change",
+        term="target_weights",
+    ),
+    _Rule(
         "mem_fraction_too_small",
         _rx(r"Not enough memory\. Please try to increase --mem-fraction-static"),
-        "the KV cache pool got no memory: --mem-fraction-static is too small for the weights, "
-        "--context-length and CUDA graphs",
-        "raise mem-fraction-static in the host's profile (roles/sglang_service/vars/profiles.yml) or lower "
-        "context-length / max-running-requests; on a tight GPU: ansible-playbook deploy.yml -l HOST "
-        "-e sglang_profile=shadow-small",
+        "the KV cache pool got no memory: the weights (and on a hybrid target the speculative scratch and "
+        "recurrent state) took the whole static pool (--mem-fraction-static)",
+        "raise mem-fraction-static in the host's profile (roles/sglang_service/vars/profiles.yml) while "
+        "the run-time headroom stays above SGLang's CUDA-graph estimate, or shrink what comes before the KV "
+        "cache (max-running-requests with max-mamba-cache-size, mamba-ssm-dtype bfloat16, "
+        "speculative-ddtree-budget); "
+        "`ddtree plan --profile PROFILE` prints the terms and the smallest change",
+        term="kv_cache",
     ),
     _Rule(
         "hybrid_state_cache_oom",
         _rx(r"Not enough GPU memory for hybrid \(mamba/linear-attention\) state cache"),
-        "the hybrid (mamba/linear-attention) state cache does not fit; the DDTree budget scales it "
-        "linearly (num_draft_tokens = budget + 1)",
-        "in the profile: lower max-running-requests or max-mamba-cache-size, raise mem-fraction-static, "
-        "or lower speculative-ddtree-budget; or deploy -e sglang_profile=shadow-small",
+        "the hybrid (mamba/linear-attention) state cache does not fit: the speculative scratch, (running "
+        "requests + 1) x max(budget + 1, block) rows of the whole recurrent state, came first",
+        "in the profile: lower max-running-requests (and max-mamba-cache-size with it), mamba-ssm-dtype "
+        "bfloat16 (halves the state), a smaller speculative-ddtree-budget, or raise mem-fraction-static; "
+        "`ddtree plan --profile PROFILE` names the smallest change that fits",
+        term="speculative_scratch",
+    ),
+    _Rule(
+        "hybrid_state_too_small",
+        _rx(r"state cache is too small to serve any requests"),
+        "max-mamba-cache-size holds no request: SGLang keeps several state slots per running request "
+        "(4 with extra_buffer and the overlap scheduler off, as for DDTree trees)",
+        "set max-mamba-cache-size to at least 4 x max-running-requests in the profile (or leave it unset and "
+        "let SGLang size it); `ddtree plan` shows the slots per request",
+        term="recurrent_state",
     ),
     _Rule(
         "hidden_width_mismatch",
@@ -107,8 +140,10 @@ _RULES: tuple[_Rule, ...] = (
         "cuda_out_of_memory",
         _rx(r"CUDA out of memory", r"torch\.OutOfMemoryError", r"CUDA error: out of memory"),
         "a CUDA allocation failed at run time (activations or CUDA-graph capture, not the KV pool)",
-        "in the profile: lower mem-fraction-static a little, cap cuda-graph-max-bs-decode, or lower "
+        "the run-time headroom (1 - mem-fraction-static of the free memory) was too small: lower "
+        "mem-fraction-static a little, cap cuda-graph-max-bs-decode or chunked-prefill-size, or lower "
         "max-running-requests; last resort -e sglang_profile=shadow-small-nograph",
+        term="activations",
     ),
     _Rule(
         "start_timeout",
@@ -130,6 +165,12 @@ _RULES: tuple[_Rule, ...] = (
 CAUSES: tuple[str, ...] = tuple(rule.cause for rule in _RULES)
 
 _NUMBERS = re.compile(r"mem_fraction_static=([0-9.]+)")
+_RAISE_ABOVE = re.compile(r"Raise --mem-fraction-static above ([0-9.]+)")
+_HYBRID_NUMBERS = re.compile(r"total_rest_memory=(-?[0-9.]+) GB, mamba_cache_per_req=([0-9.]+) MB")
+_LOAD_BEGIN = re.compile(r"Load weight begin")
+_LOAD_END = re.compile(r"Load weight end")
+_GRAPH_BEGIN = re.compile(r"Capture .*CUDA graph begin", re.IGNORECASE)
+_GRAPH_END = re.compile(r"Capture .*CUDA graph end", re.IGNORECASE)
 _RESTARTS = re.compile(r"restart counter is at (\d+)")
 _WIDTHS = re.compile(r"\[N, *(\d+)\].*?(?:got|captures).*?\[?(?:N, *)?(\d+)\]?")
 
@@ -144,7 +185,23 @@ def _detail(cause: str, line: str, matches: list[str]) -> str:
             return f" (restart counter reached {max(counts)})"
     if cause == "hidden_width_mismatch" and (m := _WIDTHS.search(line)):
         return f" (expected width {m.group(1)}, got {m.group(2)})"
+    if cause == "weights_exceed_static_pool" and (m := _RAISE_ABOVE.search(line)):
+        return f" (SGLang asks for mem-fraction-static above {m.group(1)})"
+    if cause == "hybrid_state_cache_oom" and (m := _HYBRID_NUMBERS.search(line)):
+        return f" ({m.group(1)} GB left for it, {m.group(2)} MB per state slot)"
     return ""
+
+
+def _oom_phase(lines: list[str], at: int) -> str | None:
+    """Which start-up step a CUDA OOM at line ``at`` hit: the weights' load or a CUDA-graph capture."""
+    for line in reversed(lines[:at]):
+        if _LOAD_END.search(line) or _GRAPH_END.search(line):
+            return None
+        if _LOAD_BEGIN.search(line):
+            return "target_weights"
+        if _GRAPH_BEGIN.search(line):
+            return "activations"
+    return None
 
 
 def scan(journal_text: str) -> list[Finding]:
@@ -152,13 +209,46 @@ def scan(journal_text: str) -> list[Finding]:
     lines = journal_text.splitlines()
     findings = []
     for rule in _RULES:
-        matched = [line for line in lines if any(p.search(line) for p in rule.patterns)]
-        if not matched:
+        hits = [i for i, line in enumerate(lines) if any(p.search(line) for p in rule.patterns)]
+        if not hits:
             continue
+        matched = [lines[i] for i in hits]
         evidence = matched[-1].strip()
-        summary = rule.summary + _detail(rule.cause, evidence, matched)
-        findings.append(Finding(rule.cause, summary, evidence, rule.fix, len(matched)))
+        summary, fix, term = rule.summary + _detail(rule.cause, evidence, matched), rule.fix, rule.term
+        if rule.cause == "cuda_out_of_memory" and _oom_phase(lines, hits[-1]) == "target_weights":
+            term = "target_weights"
+            summary = "CUDA ran out of memory while loading the weights: they do not fit the GPU (per rank)"
+            fix = ("spread the model over more GPUs (tp-size in the profile, e.g. balanced-tp2 on 48 GB "
+                   "GPUs) or use GPUs with more memory; `ddtree plan --profile PROFILE --gpus ...` shows the "
+                   "weights per GPU")
+        elif rule.cause == "cuda_out_of_memory" and _oom_phase(lines, hits[-1]) == "activations":
+            summary = "CUDA ran out of memory capturing CUDA graphs: the run-time headroom is too small"
+        findings.append(Finding(rule.cause, summary, evidence, fix, len(matched), term))
     return findings
+
+
+def with_plan(findings: list[Finding], plan: dict) -> list[Finding]:
+    """Memory findings with the plan's figure for their term and its proposed change (plan --json)."""
+    terms = {t.get("key"): t for t in plan.get("terms", []) if isinstance(t, dict)}
+    changes = [c for c in plan.get("changes", []) if isinstance(c, dict)]
+    verdict = plan.get("verdict") or {}
+    out = []
+    for f in findings:
+        if f.term is None:
+            out.append(f)
+            continue
+        term = terms.get(f.term)
+        planned = f" Planned: {term['label']} {float(term['gib']):.2f} GiB per GPU" if term else ""
+        if verdict.get("fits") is False:
+            planned += f"; the plan said it does not fit ({verdict.get('message', '')})"
+        elif verdict.get("fits"):
+            planned += ("; the plan expected it to fit, so an estimated term (CUDA context, CUDA graphs and "
+                        "activations) was larger on this host")
+        fix = f.fix
+        if changes:
+            fix = f"the plan's smallest change that fits: {changes[0].get('summary')}; otherwise: {f.fix}"
+        out.append(Finding(f.cause, f.summary + "." + planned, f.evidence, fix, f.count, f.term))
+    return out
 
 
 def format_findings(findings: list[Finding], source: str) -> str:
@@ -167,7 +257,10 @@ def format_findings(findings: list[Finding], source: str) -> str:
     out = [f"{source}: {len(findings)} known failure(s)"]
     for f in findings:
         times = f" x{f.count}" if f.count > 1 else ""
-        out += [f"- {f.cause}{times}: {f.summary}", f"    evidence: {f.evidence}", f"    fix: {f.fix}"]
+        out.append(f"- {f.cause}{times}: {f.summary}")
+        if f.term:
+            out.append(f"    ran out: {f.term} (a term of `ddtree plan`)")
+        out += [f"    evidence: {f.evidence}", f"    fix: {f.fix}"]
     return "\n".join(out)
 
 
@@ -192,9 +285,11 @@ def _report(findings: list[Finding], source: str, as_json: bool) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     if args.host:
-        from ddtree_runtime.ops import fleet  # controller side: paramiko only there
-
-        return fleet.diagnose_remote(args)
+        # ops/fleet.py replaces this handler with its SSH one when the controller tools are installed.
+        print("ddtree diagnose HOST reads a host's journal over SSH, which needs the controller tools "
+              "(pip install 'ddtree-runtime[ops]'); on the host itself: ddtree diagnose --unit UNIT",
+              file=sys.stderr)
+        return 2
     try:
         if args.journal == "-":
             text, source = sys.stdin.read(), "stdin"
@@ -209,7 +304,25 @@ def _run(args: argparse.Namespace) -> int:
     except (OSError, subprocess.SubprocessError) as exc:
         print(f"ddtree diagnose: cannot read the journal: {exc}", file=sys.stderr)
         return 2
-    return _report(scan(text), source, args.json)
+    return report_journal(text, source, args)
+
+
+def report_journal(text: str, source: str, args: argparse.Namespace) -> int:
+    """Scan, quote the plan when one is given (--plan), print; the exit code of `ddtree diagnose`."""
+    findings = scan(text)
+    if getattr(args, "plan", None):
+        try:
+            plan = json.loads(Path(args.plan).read_text())
+        except (OSError, ValueError) as exc:
+            print(f"ddtree diagnose: cannot read the plan {args.plan}: {exc}", file=sys.stderr)
+            return 2
+        findings = with_plan(findings, plan if isinstance(plan, dict) else {})
+    return _report(findings, source, args.json)
+
+
+def run_local(args: argparse.Namespace) -> int:
+    """`ddtree diagnose` on a journal file or a local unit (ops/fleet.py adds the HOST case)."""
+    return _run(args)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -224,5 +337,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--unit", default=None, help="read `journalctl -u UNIT -b` (locally, or on HOST)")
     p.add_argument("-i", "--inventory", help="Ansible inventory (with HOST)")
     p.add_argument("--lines", type=int, default=2000, help="journal lines to read (default 2000)")
+    p.add_argument("--plan", metavar="FILE", help="`ddtree plan --json` output: quote its terms and fixes")
     p.add_argument("--json", action="store_true", help="one JSON object instead of text")
     p.set_defaults(func=_run)

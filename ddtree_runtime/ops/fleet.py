@@ -366,7 +366,12 @@ def diagnose_remote(args: argparse.Namespace) -> int:
     except Exception as exc:
         print(f"ddtree diagnose: {args.host} unreachable: {_why_unreachable(t, exc)}", file=sys.stderr)
         return 3
-    return diagnose._report(diagnose.scan(text), f"{t.name} journal of {unit}", args.json)
+    return diagnose.report_journal(text, f"{t.name} journal of {unit}", args)
+
+
+def _run_diagnose(args: argparse.Namespace) -> int:
+    """`ddtree diagnose`: over SSH with HOST, else diagnose.py's own local path."""
+    return diagnose_remote(args) if args.host else diagnose.run_local(args)
 
 
 def _default_inventory() -> str:
@@ -405,6 +410,11 @@ def _run_logs(args: argparse.Namespace) -> int:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    # `ddtree diagnose HOST -i INVENTORY` is the fleet's: diagnose.py (host side) registers the verb,
+    # the controller side adds the SSH case here, so diagnose.py never imports this module.
+    diagnose_parser = subparsers.choices.get("diagnose")
+    if diagnose_parser is not None:
+        diagnose_parser.set_defaults(func=_run_diagnose)
     p = subparsers.add_parser("fleet", help="fleet status and logs over SSH (controller side)",
                               description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="fleet_command", metavar="ACTION", required=True)

@@ -86,11 +86,6 @@ class Plan:
     def term(self, key: str) -> Term | None:
         return next((t for t in self.terms if t.key == key), None)
 
-    def to_dict(self) -> dict[str, Any]:
-        from ddtree_runtime.planner.report import plan_to_dict
-
-        return plan_to_dict(self)
-
 
 def _gib(nbytes: float) -> float:
     return nbytes / GIB

@@ -89,6 +89,8 @@ def _gpus(args: argparse.Namespace, runs_on: dict[str, Any] | None) -> list[gpu_
         return gpu_facts.parse_shorthand(args.gpus)
     if args.nvidia_smi:
         return gpu_facts.parse_nvidia_smi_csv(_read(args.nvidia_smi))
+    if args.nvidia_smi_csv is not None:
+        return gpu_facts.parse_nvidia_smi_csv(args.nvidia_smi_csv)
     if args.gpus_json:
         return gpu_facts.from_declared(json.loads(args.gpus_json))
     if shutil.which("nvidia-smi"):
@@ -122,7 +124,7 @@ def _settings(
     extra: list[str],
 ) -> ServeSettings:
     flags: dict[str, Any] = {}
-    if name:
+    if name and not flags_json:  # with --flags-json the name only labels the plan
         if profiles is None:
             profiles = load_profiles(args.profiles)
         if name not in profiles:
@@ -134,7 +136,8 @@ def _settings(
     return from_flags(flags)
 
 
-def plan_from_args(args: argparse.Namespace) -> tuple[Plan, list[Any]]:
+def plan_from_args(args: argparse.Namespace) -> tuple[Plan, list[Any], list[str]]:
+    """The plan, the changes that make it fit and the other shipped profiles that fit as they are."""
     profiles = None
     runs_on = None
     if args.profile and not args.flags_json:
@@ -149,21 +152,60 @@ def plan_from_args(args: argparse.Namespace) -> tuple[Plan, list[Any]]:
     settings = _settings(args, profiles, args.profile, args.flags_json, extra)
     host_gpus = _gpus(args, runs_on)
     visible = _visible(args.visible_devices)
-    beside = args.beside_profile or (runs_on or {}).get("beside") if not args.beside_flags_json else None
-    if visible is None and runs_on and not (args.gpus or args.nvidia_smi or args.gpus_json):
+    beside = args.beside_profile or (runs_on or {}).get("beside")
+    if (
+        visible is None
+        and runs_on
+        and not (args.gpus or args.nvidia_smi or args.gpus_json or args.nvidia_smi_csv is not None)
+    ):
         visible = _visible(runs_on.get("cuda_visible_devices"))
     claimed = None
     notes: tuple[str, ...] = ()
     if beside or args.beside_flags_json:
-        live_settings = _settings(args, profiles, beside, args.beside_flags_json, [])
+        beside_flags = args.beside_flags_json
+        live_settings = _settings(args, profiles, None if beside_flags else beside, beside_flags, [])
         claimed = live_claim(pair, host_gpus, live_settings, _visible(args.beside_visible_devices))
         held = ", ".join(f"{gib:.1f} GiB on GPU {i}" for i, gib in sorted(claimed.items()))
         notes = (f"beside the live service ({beside or 'given flags'}), which holds {held}",)
     plan = plan_memory(
         pair, host_gpus, settings, profile=args.profile, visible=visible, claimed_gib=claimed, notes=notes
     )
-    changes = [] if args.no_proposals else propose_changes(plan, visible=visible, claimed_gib=claimed)
-    return plan, changes
+    if args.no_proposals or plan.verdict.fits:
+        return plan, [], []
+    changes = propose_changes(plan, visible=visible, claimed_gib=claimed)
+    return plan, changes, _fitting_profiles(args, profiles, pair, host_gpus, visible, claimed)
+
+
+def _fitting_profiles(
+    args: argparse.Namespace,
+    profiles: dict[str, Any] | None,
+    pair: ModelPair,
+    host_gpus: list[gpu_facts.GpuFacts],
+    visible: list[int] | None,
+    claimed: dict[int, float] | None,
+) -> list[str]:
+    try:
+        profiles = profiles if profiles is not None else load_profiles(args.profiles)
+    except PlanError:
+        return []  # no profiles file here (a bare host): the changes above still say what fits
+    fitting = []
+    for name, data in profiles.items():
+        if name == args.profile or not isinstance(data, dict):
+            continue
+        try:
+            other = plan_memory(
+                pair,
+                host_gpus,
+                from_flags(data.get("flags") or {}),
+                profile=name,
+                visible=visible,
+                claimed_gib=claimed,
+            )
+        except PlanError:
+            continue
+        if other.verdict.fits:
+            fitting.append(name)
+    return fitting
 
 
 def live_claim(
@@ -185,7 +227,7 @@ def live_claim(
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        plan, changes = plan_from_args(args)
+        plan, changes, fitting = plan_from_args(args)
     except PlanError as exc:
         print(f"ddtree plan: {exc}", file=sys.stderr)
         return 2
@@ -193,9 +235,12 @@ def _run(args: argparse.Namespace) -> int:
         print(f"ddtree plan: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(plan_to_dict(plan, changes), indent=2))
+        doc = plan_to_dict(plan, changes)
+        doc["fitting_profiles"] = fitting
+        doc["table"] = format_plan(plan, changes, sources=args.sources, fitting=fitting)
+        print(json.dumps(doc, indent=2))
     else:
-        print(format_plan(plan, changes, sources=args.sources))
+        print(format_plan(plan, changes, sources=args.sources, fitting=fitting))
     return 0 if plan.verdict.fits else 1
 
 
@@ -212,7 +257,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model-path", help="target model directory (config.json + safetensors)")
     p.add_argument("--draft-model-path", help="DFlash drafter directory")
     p.add_argument("--models-json", metavar="FILE", help="`contract.py describe` output instead ('-': stdin)")
-    p.add_argument("--profile", help="a profile of profiles.yml")
+    p.add_argument("--profile", help="a profile of profiles.yml (with --flags-json: only its name)")
     p.add_argument("--profiles", metavar="FILE", help=f"profiles file (default {PROFILES_FILE})")
     p.add_argument(
         "--flags-json", metavar="JSON", help="the flags as JSON, e.g. '{\"mem-fraction-static\": 0.8}'"
@@ -220,6 +265,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tp-size", type=int, default=None, help="tensor-parallel size (overrides the profile)")
     p.add_argument("--gpus", help="GPUs as COUNTxNAME: 1xH200, 2xA6000, 1xH100, ...")
     p.add_argument("--nvidia-smi", metavar="FILE", help="nvidia-smi --query-gpu CSV ('-': stdin)")
+    p.add_argument("--nvidia-smi-csv", metavar="TEXT", help="the same CSV, inline")
     p.add_argument("--gpus-json", metavar="JSON", help="the inventory's ddtree_gpus as JSON")
     p.add_argument("--visible-devices", metavar="IDS", help="CUDA_VISIBLE_DEVICES of the server (e.g. 2,3)")
     p.add_argument("--beside-profile", metavar="NAME", help="plan beside a live service running this profile")

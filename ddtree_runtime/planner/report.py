@@ -52,7 +52,12 @@ def _settings_line(plan: Plan) -> str:
 
 
 def format_plan(
-    plan: Plan, changes: list[Change] | None = None, *, title: str | None = None, sources: bool = False
+    plan: Plan,
+    changes: list[Change] | None = None,
+    *,
+    title: str | None = None,
+    sources: bool = False,
+    fitting: list[str] | None = None,
 ) -> str:
     t, d = plan.pair.target, plan.pair.draft
     kind = (
@@ -108,6 +113,8 @@ def format_plan(
             )
     elif changes is not None and not v.fits:
         lines.append("  no change of one or two knobs makes it fit: this model needs bigger or more GPUs")
+    if fitting:
+        lines.append(f"  shipped profiles that fit here as they are: {', '.join(fitting)}")
     return "\n".join(lines)
 
 

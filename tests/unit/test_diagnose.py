@@ -17,6 +17,11 @@ DATA = Path(__file__).parent / "data"
 
 # One real-looking line per known failure (SGLang's, systemd's and our own texts).
 LINES = {
+    "weights_exceed_static_pool": "sglang[1]: ValueError: Loaded weights leave no GPU memory for the KV "
+    "cache under --mem-fraction-static=0.25. Raise --mem-fraction-static above 0.412 (minimum viable = "
+    "1 - available/pre = 0.4115). If using speculative decoding, draft weights are now counted.",
+    "hybrid_state_too_small": "sglang[1]: RuntimeError: Hybrid (mamba/linear-attention) state cache is too "
+    "small to serve any requests. max_mamba_cache_size=3, mamba_ratio=4, resulting max_num_reqs=0.",
     "mem_fraction_too_small": "sglang[1]: RuntimeError: Not enough memory. Please try to increase "
     "--mem-fraction-static. Current value: mem_fraction_static=0.25",
     "hybrid_state_cache_oom": "sglang[1]: RuntimeError: Not enough GPU memory for hybrid "
@@ -122,3 +127,80 @@ def test_every_cause_has_a_runbook_section():
     for probe_cause in ("unreachable", "not_ready", "generation_failed", "empty_answer", "flags_mismatch",
                         "handshake_pending", "acceptance_low", "server_info_unavailable"):
         assert f"| `{probe_cause}` |" in runbook
+
+
+# ---------------------------------------------------------------------------------------------
+# Out-of-memory findings name the memory planner's term
+
+
+@pytest.mark.parametrize(("cause", "term"), [
+    ("weights_exceed_static_pool", "target_weights"), ("mem_fraction_too_small", "kv_cache"),
+    ("hybrid_state_cache_oom", "speculative_scratch"), ("hybrid_state_too_small", "recurrent_state"),
+    ("cuda_out_of_memory", "activations"),
+])
+def test_memory_failures_name_the_planner_term(cause, term):
+    (found,) = scan(LINES[cause])
+    assert (found.cause, found.term) == (cause, term)
+    assert "ddtree plan" in found.fix or "mem-fraction-static" in found.fix
+    assert found.to_dict()["term"] == term
+
+
+def test_sglang_numbers_reach_the_summary():
+    (found,) = scan(LINES["weights_exceed_static_pool"])
+    assert "mem-fraction-static above 0.412" in found.summary
+    (found,) = scan("RuntimeError: Not enough GPU memory for hybrid (mamba/linear-attention) state cache. "
+                    "Computed max_mamba_cache_size=-3 (total_rest_memory=-12.34 GB, "
+                    "mamba_cache_per_req=146.80 MB). Try: (1) reduce --max-running-requests")
+    assert "-12.34 GB left for it, 146.80 MB per state slot" in found.summary
+
+
+def test_a_cuda_oom_while_loading_means_the_weights_do_not_fit_and_one_in_capture_means_graphs():
+    load = ("Load weight begin. avail mem=47.40 GB\n"
+            "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.37 GiB. GPU 0 has a total "
+            "capacity of 47.99 GiB of which 1.10 GiB is free.\n")
+    (found,) = scan(load)
+    assert found.term == "target_weights" and "loading the weights" in found.summary
+    assert "tp-size" in found.fix
+    capture = ("Load weight end. elapsed=300.00 s, avail mem=92.10 GB, mem usage=51.80 GB.\n"
+               "Capture decode CUDA graph begin. backend=full, avail mem=21.00 GB\n"
+               "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.00 GiB\n")
+    (found,) = scan(capture)
+    assert found.term == "activations" and "capturing CUDA graphs" in found.summary
+
+
+def test_diagnose_quotes_the_plan_term_and_its_fix(tmp_path):
+    from tests.fixtures_models import write_full_checkpoint_pair
+
+    target, draft = write_full_checkpoint_pair(tmp_path, "qwen3.6-27b")
+    plan = subprocess.run([sys.executable, "-m", "ddtree_runtime", "plan", "--model-path", str(target),
+                           "--draft-model-path", str(draft), "--gpus", "1xH200", "--json", "--",
+                           "--mem-fraction-static", "0.85", "--max-running-requests", "32",
+                           "--max-mamba-cache-size", "128", "--mamba-radix-cache-strategy", "extra_buffer",
+                           "--speculative-ddtree-budget", "16", "--context-length", "32768"],
+                          capture_output=True, text=True, timeout=120)
+    assert plan.returncode == 1, plan.stderr
+    assert json.loads(plan.stdout)["verdict"]["term"] == "speculative_scratch"
+    (tmp_path / "plan.json").write_text(plan.stdout)
+    (tmp_path / "journal.txt").write_text(LINES["hybrid_state_cache_oom"] + "\n")
+    res = _cli("--journal", str(tmp_path / "journal.txt"), "--plan", str(tmp_path / "plan.json"), "--json")
+    assert res.returncode == 1, res.stderr
+    (finding,) = json.loads(res.stdout)["findings"]
+    assert finding["term"] == "speculative_scratch"
+    assert "Planned: speculative scratch" in finding["summary"] and "does not fit" in finding["summary"]
+    assert finding["fix"].startswith("the plan's smallest change that fits: ")
+    res = _cli("--journal", str(tmp_path / "journal.txt"), "--plan", str(tmp_path / "absent.json"))
+    assert res.returncode == 2 and "cannot read the plan" in res.stderr
+
+
+def test_diagnose_host_needs_the_controller_side_and_diagnose_does_not_import_it():
+    import argparse
+
+    args = argparse.Namespace(host="ct129", journal=None, unit=None, lines=10, json=False, plan=None)
+    assert diagnose._run(args) == 2  # the fleet's SSH handler is wired in by ops/fleet.py, not imported here
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    diagnose.register(sub)
+    from ddtree_runtime.ops import fleet
+
+    fleet.register(sub)
+    assert sub.choices["diagnose"].get_default("func") is fleet._run_diagnose
