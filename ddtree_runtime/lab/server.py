@@ -19,15 +19,13 @@ import queue
 import signal
 import threading
 import time
-import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 from ddtree_runtime import __version__
 from ddtree_runtime.lab import faults
-from ddtree_runtime.lab.http_api import Handler
+from ddtree_runtime.lab.http_api import LabHTTPServer, generate_item
+from ddtree_runtime.lab.jobs import Job
 from ddtree_runtime.lab.server_args import (
     DEFAULT_DEVICE_MEMORY_MB,
     MemoryPlan,
@@ -44,16 +42,6 @@ DECODE_LOG_INTERVAL = 40  # decode steps between two "Decode batch" lines, as in
 
 
 _NOT_SERVER_ARGS = ("command", "lab_command", "func", "lab_fault")
-
-
-@dataclass
-class Job:
-    prompts: list[list[int]]
-    params: list  # SamplingParams
-    done: threading.Event = field(default_factory=threading.Event)
-    results: list | None = None
-    remaining: int = 0  # requests of this job still decoding
-    created: float = field(default_factory=time.monotonic)
 
 
 class LabServer:
@@ -165,7 +153,7 @@ class LabServer:
 
             job = self.submit([self.engine.tokenizer.encode(WARMUP_TEXT)], [SamplingParams(max_new_tokens=8)])
             log.info(
-                "End of prefill warmup with status 200, resp: %s", json.dumps(self._generate_item(job, 0))
+                "End of prefill warmup with status 200, resp: %s", json.dumps(generate_item(self, job, 0))
             )
         self.status = "ready"
         log.info("The server is fired up and ready to roll!")
@@ -386,27 +374,6 @@ class LabServer:
             "architectures": ["Qwen3ForCausalLM"],
         }
 
-    def _generate_item(self, job: Job, i: int, rid: str | None = None) -> dict:
-        r = job.results[i]
-        meta = {
-            "id": rid or uuid.uuid4().hex,
-            "finish_reason": r.finish_reason,
-            "prompt_tokens": r.prompt_tokens,
-            "completion_tokens": r.completion_tokens,
-            "cached_tokens": 0,
-            "weight_version": "default",
-            "e2e_latency": round(time.monotonic() - job.created, 6),
-        }
-        if self.engine.algorithm != "NONE":
-            meta["spec_verify_ct"] = r.verify_ct
-            meta["spec_accept_length"] = r.completion_tokens / r.verify_ct if r.verify_ct else 0.0
-            hist = [0] * (self.engine.block_size + 1)
-            for n in r.accept_lengths:
-                hist[n] += 1
-            meta["spec_accept_histogram"] = hist
-        text = self.engine.tokenizer.decode(r.output_ids)
-        return {"text": text, "output_ids": r.output_ids, "meta_info": meta}
-
 
 # ---------------------------------------------------------------------------- main
 
@@ -458,7 +425,7 @@ def serve(args: argparse.Namespace) -> int:
         log.info("Lab fault armed: %s", plan.fault)
     lab = LabServer(sargs, plan, device)
     try:
-        httpd = ThreadingHTTPServer((sargs["host"], sargs["port"]), Handler)
+        httpd = LabHTTPServer((sargs["host"], sargs["port"]), lab)
     except OSError as exc:
         log.error(
             "[Errno %s] error while attempting to bind on address (%r, %d): %s",
@@ -468,8 +435,6 @@ def serve(args: argparse.Namespace) -> int:
             (exc.strerror or str(exc)).lower(),
         )
         return 1
-    httpd.daemon_threads = True
-    httpd.lab = lab  # type: ignore[attr-defined]
     threading.Thread(target=httpd.serve_forever, name="http", daemon=True).start()
     log.info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)", sargs["host"], sargs["port"])
 
@@ -490,7 +455,7 @@ def serve(args: argparse.Namespace) -> int:
     return _drain(lab, httpd)
 
 
-def _drain(lab: LabServer, httpd: ThreadingHTTPServer) -> int:
+def _drain(lab: LabServer, httpd: LabHTTPServer) -> int:
     lab.status = "draining"
     while lab.inflight or lab.running or not lab.jobs.empty():
         log.info("Gracefully exiting... Remaining number of requests %d.", max(lab.inflight, lab.running))
