@@ -12,13 +12,17 @@ This module imports nothing of ours: ``ddtree diagnose HOST`` (over SSH) is wire
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 
 @dataclass(frozen=True)
@@ -292,9 +296,9 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     try:
         if args.journal == "-":
-            text, source = sys.stdin.read(), "stdin"
+            text, source = _tail(sys.stdin.buffer), "stdin"
         elif args.journal:
-            text, source = Path(args.journal).read_text(errors="replace"), args.journal
+            text, source = read_journal_file(args.journal), args.journal
         elif args.unit:
             text, source = read_unit_journal(args.unit, args.lines), f"journal of {args.unit}"
         else:
@@ -305,6 +309,30 @@ def _run(args: argparse.Namespace) -> int:
         print(f"ddtree diagnose: cannot read the journal: {exc}", file=sys.stderr)
         return 2
     return report_journal(text, source, args)
+
+
+MAX_JOURNAL_BYTES = 64 * 1024 * 1024  # the newest part of a larger journal is what names a failure
+
+
+def read_journal_file(path: str) -> str:
+    """A saved journal: a regular file only (a FIFO or /dev/zero in its place must not hang the tool),
+    its last MAX_JOURNAL_BYTES."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file: save the journal to a file, or pipe it to --journal -")
+    with os.fdopen(fd, "rb") as fh:
+        fh.seek(max(0, info.st_size - MAX_JOURNAL_BYTES))
+        return fh.read(MAX_JOURNAL_BYTES).decode(errors="replace")
+
+
+def _tail(stream: BinaryIO) -> str:
+    """The last MAX_JOURNAL_BYTES of a stream, read in chunks (a pipe may be endless)."""
+    kept = collections.deque(maxlen=MAX_JOURNAL_BYTES // (1 << 20))
+    while chunk := stream.read(1 << 20):
+        kept.append(chunk)
+    return b"".join(kept).decode(errors="replace")
 
 
 def report_journal(text: str, source: str, args: argparse.Namespace) -> int:

@@ -73,8 +73,8 @@ def _playbook(lab, *args: str) -> subprocess.CompletedProcess:
     return res
 
 
-def _scrape(url: str) -> dict[tuple[str, tuple], float]:
-    with urllib.request.urlopen(url, timeout=10) as resp:
+def _scrape(url: str, timeout: float = 10) -> dict[tuple[str, tuple], float]:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
         text = resp.read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}
@@ -88,25 +88,29 @@ def test_exporter_role_installs_a_scrapable_hardened_exporter(lab, host: fleet.T
                         "ddtree_exporter_probe_units": [{"unit": unit, "port": dead_port}],
                         "ddtree_exporter_probe_timeout": 2})
     try:
-        _sh(host, f"systemd-run --unit={unit} -p Description=exporter-test sleep 600 && "
+        # a "server" whose journal names a known failure: the unprivileged probe must read it
+        _sh(host, f"systemd-run --unit={unit} -p Description=exporter-test sh -c "
+                  "'echo \"OSError: [Errno 98] Address already in use\"; exec sleep 600' && "
                   f"{release}/bin/ddtree metrics record-rollout --unit {unit} --outcome rolled_back "
                   f"--release r-{tag} --cause port_in_use")
         first = _playbook(lab, "-l", host.name, "-e", extra)
         assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-2000:]
 
-        # the timer's service, run now: the server is down, so the report says unreachable
+        # the timer's service, run now: nothing answers on the port, and the unit's journal says why
         _sh(host, f"systemctl start ddtree-probe@{unit}.service")
         report = json.loads(_sh(host, f"cat /var/lib/ddtree/probe/{unit}.json"))
-        assert (report["ok"], report["cause"], report["exit_code"]) == (False, "unreachable", 3)
-        assert report["figures"]["diagnosis"] == []  # the unit's journal was readable, nothing known in it
+        assert (report["ok"], report["cause"], report["exit_code"]) == (False, "port_in_use", 3), report
+        # read from the journal, by the unprivileged probe user that owns the report
+        assert [f["cause"] for f in report["figures"]["diagnosis"]] == ["port_in_use"]
+        assert _sh(host, f"stat -c %U /var/lib/ddtree/probe/{unit}.json").strip() == "ddtree-probe"
         rc, out, err = fleet.run_remote(host, f"{release}/bin/ddtree diagnose --unit {unit} --json")
-        assert rc == 0 and json.loads(out)["causes"] == [], err  # the host-side CLI on a real journal
+        assert rc == 1 and json.loads(out)["causes"] == ["port_in_use"], err  # the CLI on a real journal
 
         s = _scrape(f"http://{host.address}:{port}/metrics")  # from the controller, over the lab net
         u = ("unit", unit)
         assert s[("ddtree_rollouts_total", (("outcome", "rolled_back"), u))] == 1.0
         assert s[("ddtree_probe_success", (("probe", "live"), u))] == 0.0
-        assert s[("ddtree_probe_failure_info", (("cause", "unreachable"), ("probe", "live"), u))] == 1.0
+        assert s[("ddtree_probe_failure_info", (("cause", "port_in_use"), ("probe", "live"), u))] == 1.0
         assert s[("ddtree_unit_active", (u,))] == 1.0  # systemd asked over D-Bus, unprivileged
         assert 0 < s[("ddtree_unit_uptime_seconds", (u,))] < 600
 
@@ -118,10 +122,22 @@ def test_exporter_role_installs_a_scrapable_hardened_exporter(lab, host: fleet.T
 
         _sh(host, "systemd-analyze verify /etc/systemd/system/ddtree-exporter.service "
                   "/etc/systemd/system/ddtree-probe@.service /etc/systemd/system/ddtree-probe@.timer")
-        security = _sh(host, "systemd-analyze security ddtree-exporter.service --no-pager | tail -1")
-        print(f"ddtree-exporter.service {security.strip()}")
-        exposure = float(re.search(r"exposure level .*?: *([0-9.]+)", security).group(1))
-        assert exposure < 3.0, security
+        for name, limit in (("ddtree-exporter.service", 2.0), (f"ddtree-probe@{unit}.service", 2.0)):
+            security = _sh(host, f"systemd-analyze security {name} --no-pager | tail -1")
+            print(f"{name} {security.strip()}")
+            exposure = float(re.search(r"exposure level .*?: *([0-9.]+)", security).group(1))
+            assert exposure < limit, security
+
+        # The allow-list is the kernel's (cgroup v2 BPF): a scraper not on it gets no answer, the host does.
+        if _sh(host, "stat -fc %T /sys/fs/cgroup").strip() != "cgroup2fs":
+            print("lab host on cgroup v1: systemd cannot enforce IPAddressAllow here (production hosts can)")
+        else:
+            narrow = json.dumps({**json.loads(extra), "ddtree_exporter_allowed_clients": ["192.0.2.1/32"]})
+            assert _playbook(lab, "-l", host.name, "-e", narrow).returncode == 0
+            with pytest.raises(OSError):
+                _scrape(f"http://{host.address}:{port}/metrics", timeout=3)
+            _sh(host, f"{release}/bin/python -c \"import urllib.request as u; "
+                      f"u.urlopen('http://127.0.0.1:{port}/metrics', timeout=10)\"")
     finally:
         units = "/etc/systemd/system/ddtree-exporter.service /etc/systemd/system/ddtree-probe@.*"
         files = (f"/etc/ddtree/probe/{unit}.env /var/lib/ddtree/probe/{unit}.json "

@@ -233,7 +233,7 @@ HARMLESS: dict[str, Any] = {
               'sglang:spec_accept_length{a="}"} 2.5 1700000000\n'),
 }
 
-SEEDS = range(len(DEFECTS) + len(HARMLESS) + 24)
+SEEDS = range(len(DEFECTS) + len(HARMLESS) + 16)
 
 
 def _case(seed: int) -> Case:

@@ -52,9 +52,32 @@ def test_removed_flag_spelling_is_refused():
         ("ddtree_probe_min_accept_length=0.5", "ddtree_probe_min_accept_length >= 1.0"),
         ('{"sglang_extra_env": {"BAD NAME": "x"}}', "sglang_extra_env must map NAME"),
         ('{"sglang_service_sandbox_disable": ["NoSuchDirective"]}', "sandbox_disable only names"),
+        ('{"sglang_service_host": "0.0.0.0"}', "SGLang's API has no authentication"),
     ],
 )
 def test_invalid_variables_are_refused_with_what_to_do(extra, expected):
     result = run(extra)
     assert result.returncode != 0
     assert expected in " ".join(result.stdout.split()), result.stdout[-3000:]
+
+
+def test_lab_deploy_before_the_wheelhouse_names_the_command(tmp_path):
+    """The newcomer trap: a wheelhouse install from an empty or partial wheelhouse fails in the preflight,
+    naming what is missing and `ddtree lab wheelhouse`, not deep inside pip on the host."""
+    lab = {"ddtree_runtime_install_source": "wheelhouse", "ddtree_runtime_wheelhouse": str(tmp_path),
+           "ddtree_runtime_packages": ["torch==2.13.0", "IPython", "apache-tvm-ffi==0.1.11", "numpy"],
+           "ddtree_runtime_nodeps_packages": ["sglang==0.5.23"]}
+    result = run(json.dumps(lab))
+    assert result.returncode != 0
+    said = " ".join(result.stdout.split())
+    assert f"The wheelhouse {tmp_path} on localhost is empty or missing" in said
+    assert "run `ddtree lab wheelhouse` on the controller first" in said
+    for name in ("torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl", "ipython-9.18.1-py3-none-any.whl",
+                 "apache_tvm_ffi-0.1.11-cp311-cp311-manylinux_2_28_x86_64.whl",
+                 "sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl"):
+        (tmp_path / name).touch()
+    result = run(json.dumps(lab))
+    assert result.returncode != 0 and "has no wheel for numpy." in " ".join(result.stdout.split())
+    (tmp_path / "numpy-2.4.6-cp311-cp311-manylinux_2_28_x86_64.whl").touch()
+    result = run(json.dumps(lab))
+    assert result.returncode == 0, result.stdout[-3000:]
