@@ -228,16 +228,26 @@ def generate(side: Side, prompt: str, max_new_tokens: int, timeout: float) -> An
     latency = time.monotonic() - started
     try:
         doc = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         doc = None
     if status != 200 or not isinstance(doc, dict) or not isinstance(doc.get("output_ids"), list):
         text = body.decode(errors="replace")[:500]
         raise RuntimeError(f"{side.name}: POST /generate HTTP {status}: {text}")
     meta = doc.get("meta_info") or {}
-    verify = meta.get("spec_verify_ct")
-    return Answer(prompt, [int(t) for t in doc["output_ids"]], str(doc.get("text", "")),
-                  int(meta.get("completion_tokens") or len(doc["output_ids"])),
-                  None if verify is None else int(verify), latency)
+    try:  # a wrongly typed answer is a failed side, not a traceback
+        verify = meta.get("spec_verify_ct")
+        return Answer(prompt, [_count(t) for t in doc["output_ids"]], str(doc.get("text", "")),
+                      _count(meta.get("completion_tokens") or len(doc["output_ids"])),
+                      None if verify is None else _count(verify), latency)
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise RuntimeError(f"{side.name}: POST /generate answered what SGLang 0.5.23 never answers "
+                           f"({exc})") from None
+
+
+def _count(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 10**12:
+        raise ValueError(f"{str(value)[:40]!r} is not a token id or count")
+    return value
 
 
 # ---------------------------------------------------------------------------- comparison

@@ -317,3 +317,20 @@ def test_bad_arguments_are_exit_2_at_once(args: list[str]) -> None:
     assert res.returncode == 2, res.stdout + res.stderr
     doc = json.loads(res.stdout)
     assert doc["cause"] == "bad_input" and "\n" not in doc["message"] and "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize("name", ["completion_tokens a string", "meta_info a list", "generate: SSH banner",
+                                  "generate: drips"])
+def test_canary_compare_names_a_misbehaving_shadow(name: str) -> None:
+    """`ddtree canary compare` reads the same answers: a broken shadow aborts the canary, in one line."""
+    from ddtree_runtime.canary import compare
+
+    healthy, broken = Case(), Case()
+    DEFECTS[name](broken)
+    with HostileServer(healthy.routes()) as live, HostileServer(broken.routes()) as shadow:
+        started = time.monotonic()
+        report = compare(live.url, shadow.url, prompts=["a"], rounds=1, ready_timeout=TIMEOUT,
+                         request_timeout=REQUEST_TIMEOUT)
+    assert time.monotonic() - started < BOUND_S
+    assert (report.ok, report.verdict, report.exit_code) == (False, "abort", EXIT_FAILED)
+    assert report.reason.startswith("generate: shadow:") and "\n" not in report.reason
