@@ -233,6 +233,12 @@ def test_cli_says_it_in_one_report_with_the_documented_exit_code(seed: int, tmp_
     if exit_code is not None:
         assert res.returncode == exit_code, (names, doc["message"])
     assert not list(tmp_path.glob(".report.json.*"))  # no temp file left behind
+    # `ddtree contract check` reads the same files: the same verdict, one JSON line, no traceback
+    cmd = [sys.executable, "-m", "ddtree_runtime", "contract", "check", "--model-path", str(target),
+           "--draft-model-path", str(draft), "--json"]
+    check = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    assert "Traceback" not in check.stderr and check.stdout.count("\n") == 1, check.stderr
+    assert json.loads(check.stdout)["ok"] == doc["ok"] and check.returncode == (0 if doc["ok"] else 1)
 
 
 # ---------------------------------------------------------------------------- named regressions
