@@ -199,10 +199,14 @@ def read_config(model_dir: str | Path, role: str) -> dict[str, Any]:
         ) from None
     if not stat.S_ISDIR(info.st_mode):
         raise ContractError("bad_config", f"{role} model path {model_dir} is not a directory")
-    if not os.path.lexists(path):
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
         raise ContractError(
             "bad_config", f"{role} config {path} is missing: is {model_dir} a Hugging Face model directory?"
-        )
+        ) from None
+    except OSError as exc:  # a directory we may not search
+        raise ContractError("bad_config", f"cannot read {role} config {path}: {_reason(exc)}") from None
     data = read_json_file(path, f"{role} config")
     if not isinstance(data, dict):
         raise ContractError("bad_config", f"{role} config {path} must hold a JSON object")

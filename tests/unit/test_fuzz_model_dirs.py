@@ -290,3 +290,6 @@ def test_unreadable_directory_as_an_unprivileged_user(tmp_path: Path) -> None:
         pytest.skip(f"this checkout is not readable by nobody: {res.stderr[-200:]}")
     assert res.returncode == EXIT_BAD_INPUT, res.stdout + res.stderr
     assert "permission denied" in res.stdout and "Traceback" not in res.stderr
+    check = subprocess.run([*cmd[:7], "contract", "check", *cmd[9:]], capture_output=True, text=True,
+                           timeout=30, cwd="/")
+    assert check.returncode == 1 and "permission denied" in check.stderr and "Traceback" not in check.stderr
