@@ -93,9 +93,10 @@ def up(
             if _running(host):
                 progress(f"{host.name}: already running ({host.address})")
                 continue
-            _start_host(lab, host, rootfs)
+            how = _start_host(lab, host, rootfs)
             booting.append(host)
-            progress(f"{host.name}: booting at {host.address} (machine {host.machine})")
+            kept = ", its disk kept" if how == "power-on" else ""
+            progress(f"{host.name}: booting at {host.address} (machine {host.machine}{kept})")
         _write_known_hosts(lab)
         _write_inventory(lab)
         _wait_ready(lab, lab.hosts, timeout, progress)
@@ -153,13 +154,35 @@ def _refuse_foreign(lab: Lab) -> None:
         )
 
 
-def _start_host(lab: Lab, host: LabHost, rootfs: Path) -> None:
-    _remove_host(lab, host)  # a half-made host (crash, reboot of the controller) starts over
-    host.dir.mkdir(parents=True, exist_ok=True)
+def _start_host(lab: Lab, host: LabHost, rootfs: Path) -> str:
+    """Boot ``host``: "power-on" when a stopped host's disk is whole (made on this rootfs), which keeps
+    it as a real host keeps its disk across a power cut; else "new" (a half-made host starts over)."""
+    if _made_on(host) == str(rootfs):
+        lab_nspawn.stop(host)  # a machine without its namespace is not running: make sure it is off
+        how = "power-on"
+    else:
+        _remove_host(lab, host)
+        host.dir.mkdir(parents=True, exist_ok=True)
+        how = "new"
     lab_nspawn.mount_overlay(host, rootfs)
-    lab_nspawn.give_identity(lab, host)
+    if how == "new":
+        lab_nspawn.give_identity(lab, host)
+        _made_marker(host).write_text(f"{rootfs}\n")  # written last: the disk is whole from here on
     lab_net.ensure_host_link(host.netns, host.veth, lab.bridge, f"{host.address}/24")
     lab_nspawn.start(host, wheelhouse_dir())
+    return how
+
+
+def _made_marker(host: LabHost) -> Path:
+    return host.dir / "made-on-rootfs"
+
+
+def _made_on(host: LabHost) -> str | None:
+    """The rootfs a finished host's disk (overlay upper) was made on, or None when not finished."""
+    try:
+        return _made_marker(host).read_text().strip() or None
+    except OSError:
+        return None
 
 
 def _running(host: LabHost) -> bool:

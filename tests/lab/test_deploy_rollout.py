@@ -312,7 +312,7 @@ def test_host_down_mid_play_stops_the_rollout(rollout, lab):
         assert rollout.generate("ct130")["text"].strip()
         report("host_down_mid_play", seconds=round(time.monotonic() - started, 1), other_host="untouched")
     finally:
-        # Bring ct129 back (a fresh host) so later tests of the session find the lab complete.
+        # Power ct129 on again (its disk kept, as after a real power cut) so later tests find the lab whole.
         up = subprocess.run([sys.executable, "-m", "ddtree_runtime", "lab", "up", "--name", lab.name,
                              "--hosts", str(len(lab.hosts))], cwd=REPO, capture_output=True, text=True)
         assert up.returncode == 0, up.stderr[-2000:]
