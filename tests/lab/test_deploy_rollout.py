@@ -34,11 +34,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def runtime_hash_cmd() -> str:
-    """sha256 over every file of the release the unit runs (names and contents), in one line."""
+    """The release the unit runs and, in one line, a digest of every file's name, size and mtime plus the
+    contents of its release.json and entry points (hashing 2 GB of contents twice per scenario cost CI
+    minutes; a rollout that rewrote a file would change its size or mtime)."""
     return (
         "rel=$(grep -oE '/opt/ddtree/releases/[0-9a-f]{16}' "
         "/etc/systemd/system/sglang-qwen.service | head -1); "
-        "echo $rel; cd $rel && find . -type f -print0 | sort -z | xargs -0 sha256sum | sha256sum"
+        "echo $rel; cd $rel && { find . -type f -printf '%P %s %T@\\n' | sort; "
+        "sha256sum release.json pyvenv.cfg bin/*; } | sha256sum"
     )
 
 
