@@ -13,7 +13,8 @@ from ddtree_runtime.lab.server_args import add_server_args
 def _make_models(args: argparse.Namespace) -> int:
     from ddtree_runtime.lab.make import make_models
 
-    summary = make_models(args.dir, seed=args.seed, log=lambda msg: print(msg, file=sys.stderr))
+    log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+    summary = make_models(args.dir, seed=args.seed, kind=args.kind, log=log)
     print(json.dumps(summary))
     return 0
 
@@ -35,10 +36,12 @@ def register(lab_subparsers: argparse._SubParsersAction) -> None:
         "make-models",
         help="write the tiny lab models (DIR/target, DIR/draft, DIR/draft-mismatched)",
         description="Train a tiny Qwen3-style target on the lab language and distil a DFlash-style drafter "
-        "on it; deterministic for a given --seed.",
+        "on it; deterministic for a given --seed. --kind hybrid makes the target a Qwen3.5-style hybrid "
+        "(Gated DeltaNet layers, then an attention layer).",
     )
     p.add_argument("dir", metavar="DIR")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kind", choices=["dense", "hybrid"], default="dense", help="target kind (default dense)")
     p.set_defaults(func=_make_models)
 
     p = lab_subparsers.add_parser(

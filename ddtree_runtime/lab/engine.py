@@ -4,6 +4,10 @@ The speculative round is the real one: draft block [bonus, MASK x L] -> draft lo
 (`ddtree_runtime.tree.build_tree`; DFlash = the argmax chain) -> one target forward over root + nodes with
 ancestor-only visibility -> contract guard on the captured hidden states -> walk (greedy or the lossless
 sampling walk) -> `commit_plan` moves the accepted K/V rows -> the accepted rows' features feed the drafter.
+
+Hybrid targets (GDN + attention, ``models.TargetConfig.is_hybrid``): the verify runs the GDN layers over the
+tree by parent pointer (every node from its parent's recurrent state), and after the walk each request keeps
+the state of its last accepted node (``KVCache.commit_recurrent``); prefill keeps the last prompt token's.
 """
 
 from __future__ import annotations
@@ -193,6 +197,7 @@ class LabEngine:
         logits, _ = self._target_forward(
             roots[:, None], lens[:, None], allowed, cache, lens[:, None], torch.ones_like(lens), None
         )
+        cache.commit_recurrent(torch.zeros_like(lens))
         nxt = self._decide(logits, params)
         return nxt, torch.ones(b, dtype=torch.long, device=self.device), lens + 1
 
@@ -213,12 +218,13 @@ class LabEngine:
         write_rows = lens[:, None] + torch.arange(rows, device=self.device)[None]
         counts = torch.full_like(lens, rows)
         logits, feats = self._target_forward(
-            vin.input_ids, vin.positions, allowed, cache, write_rows, counts, "verify"
+            vin.input_ids, vin.positions, allowed, cache, write_rows, counts, "verify", parents=tree.parents
         )
         if all(p.greedy for p in params):
             walk = walk_greedy(tree, logits)
         else:
             walk = walk_sample(tree, self._probs(logits, params), generator=self.generator)
+        cache.commit_recurrent(self._recurrent_commit_rows(walk))
         plan = commit_plan(walk, lens)
         src = torch.where(plan.src_loc >= 0, plan.src_loc, lens[:, None])
         dst = torch.where(plan.dst_loc >= 0, plan.dst_loc, lens[:, None])
@@ -230,13 +236,21 @@ class LabEngine:
         self.stats.last_accept_length = float(walk.num_accepted.float().mean())
         return walk.emitted, walk.num_emitted, plan.new_len
 
+    @staticmethod
+    def _recurrent_commit_rows(walk) -> Tensor:
+        """GDN layers: the verify row whose state each request keeps, its last accepted node. A tree
+        node index: the accepted path is not a prefix of the rows, so ``num_accepted - 1`` (DFLASH's
+        chain arithmetic) would be wrong here."""
+        return walk.accepted.gather(1, (walk.num_accepted - 1)[:, None])[:, 0]
+
     # ------------------------------------------------------------------ target + guard
 
-    def _target_forward(self, ids, positions, allowed, cache, rows, counts, phase: str | None):
-        """One target forward; with a drafter, the captured features pass the contract guard first."""
+    def _target_forward(self, ids, positions, allowed, cache, rows, counts, phase: str | None, parents=None):
+        """One target forward; with a drafter, the captured features pass the contract guard first.
+        ``parents [b, n]``: the rows' tree (GDN layers of hybrid targets; default a chain)."""
         capture = self.layer_ids if (self.draft is not None and phase is not None) else ()
         logits, captured = self.target(
-            ids, positions, allowed, cache=cache, rows=rows, capture_layer_ids=capture
+            ids, positions, allowed, cache=cache, rows=rows, capture_layer_ids=capture, parents=parents
         )
         if not capture:
             return logits, None
@@ -360,6 +374,7 @@ class RunningBatch:
         logits, feats = eng._target_forward(
             ids, positions, causal_mask(n, dev)[None].expand(b, -1, -1), cache, positions, lens, "prefill"
         )
+        cache.commit_recurrent(lens - 1)  # GDN layers: the state after each prompt's last token
         last = logits.gather(1, (lens - 1)[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]
         roots = eng._decide(last[:, None], [r.params for r in todo])[:, 0]
         for r, t in zip(todo, roots.tolist(), strict=True):

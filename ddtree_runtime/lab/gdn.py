@@ -21,6 +21,8 @@ State layout here is ``[.., HV, K, V]``; SGLang's pools hold ``[.., HV, V, K]`` 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -83,10 +85,51 @@ def node_depths(parents: Tensor) -> Tensor:
     return depth
 
 
+def chain_parents(b: int, t: int, device: torch.device | str = "cpu") -> Tensor:
+    """A plain sequence as a tree: row i's parent is row i - 1."""
+    return torch.arange(-1, t - 1, device=device).expand(b, t)
+
+
 def _effective_parents(parents: Tensor) -> Tensor:
     eff = parents.clone()
     eff[:, 1:] = eff[:, 1:].clamp(min=0)  # padded rows: parent = root (SGLang's default 0)
     return eff
+
+
+def tree_scan(
+    step: Callable[[tuple[Tensor, ...], Tensor, Tensor], tuple[Tensor, tuple[Tensor, ...]]],
+    init: tuple[Tensor, ...],
+    parents: Tensor,
+    depths: Tensor | None = None,
+) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """Run a recurrence over a tree, level by level: every row starts from its parent's state (the
+    root from ``init``, one ``[b, ...]`` tensor per state part). ``step(before, batch_idx, row_idx)``
+    gets the states of the rows of one depth (``[m, ...]``) and returns (output ``[m, ...]``,
+    states after ``[m, ...]``). Returns outputs ``[b, T, ...]`` and per-row states ``[b, T, ...]``.
+    Only index operations: autograd-friendly, and the work is one step per row."""
+    b, t = parents.shape
+    parent = _effective_parents(parents)
+    depth = node_depths(parents) if depths is None else depths
+    slot = torch.empty(b, t, dtype=torch.long, device=parents.device)
+    outs: list[Tensor] = []
+    afters: list[tuple[Tensor, ...]] = []
+    flat: list[Tensor] = []
+    for d in range(int(depth.max()) + 1):
+        bi, ni = (depth == d).nonzero(as_tuple=True)
+        slot[bi, ni] = torch.arange(bi.shape[0], device=parents.device)
+        if d == 0:
+            before = tuple(x[bi] for x in init)
+        else:
+            at = slot[bi, parent[bi, ni]]
+            before = tuple(x[at] for x in afters[-1])
+        out, after = step(before, bi, ni)
+        outs.append(out)
+        afters.append(after)
+        flat.append(bi * t + ni)
+    order = torch.argsort(torch.cat(flat))
+    out = torch.cat(outs)[order]
+    states = tuple(torch.cat(parts)[order] for parts in zip(*afters, strict=True))
+    return out.reshape(b, t, *out.shape[1:]), tuple(x.reshape(b, t, *x.shape[1:]) for x in states)
 
 
 def tree_conv(
@@ -94,20 +137,12 @@ def tree_conv(
 ) -> tuple[Tensor, Tensor]:
     """Causal conv over a tree. ``x [b, T, C]`` (row 0 = root), ``window0 [b, C, W-1]`` (committed),
     ``parents [b, T]`` -> (outputs ``[b, T, C]``, post-token windows ``[b, T, C, W-1]``)."""
-    b, t, c = x.shape
-    parent = _effective_parents(parents)
-    depth = node_depths(parents)
-    windows = window0.unsqueeze(1).expand(b, t, *window0.shape[1:]).clone()
-    out = torch.empty(b, t, c, dtype=torch.float32, device=x.device)
-    for d in range(int(depth.max()) + 1):
-        at = depth == d
-        if d == 0:
-            before = window0.unsqueeze(1).expand_as(windows)
-        else:
-            before = windows.gather(1, parent.clamp(min=0)[:, :, None, None].expand_as(windows))
-        o, w = conv_step(before, x, weight, bias)
-        out = torch.where(at[:, :, None], o, out)
-        windows = torch.where(at[:, :, None, None], w.to(windows.dtype), windows)
+
+    def step(before, bi, ni):
+        out, window = conv_step(before[0], x[bi, ni], weight, bias)
+        return out, (window,)
+
+    out, (windows,) = tree_scan(step, (window0,), parents)
     return out, windows
 
 
@@ -117,19 +152,43 @@ def tree_delta_rule(
     """Gated delta rule over a tree. ``q, k [b, T, H, K]``, ``v [b, T, HV, V]``, ``g, beta [b, T, HV]``,
     ``state0 [b, HV, K, V]`` (committed) -> (outputs ``[b, T, HV, V]``, post-token states
     ``[b, T, HV, K, V]``)."""
-    b, t = parents.shape
-    parent = _effective_parents(parents)
-    depth = node_depths(parents)
-    states = state0.float().unsqueeze(1).expand(b, t, *state0.shape[1:]).clone()
-    out = torch.empty(*v.shape, dtype=torch.float32, device=v.device)
-    for d in range(int(depth.max()) + 1):
-        at = depth == d
-        if d == 0:
-            before = state0.float().unsqueeze(1).expand_as(states)
-        else:
-            idx = parent.clamp(min=0)[:, :, None, None, None].expand_as(states)
-            before = states.gather(1, idx)
-        o, s = delta_step(before, q, k, v, g, beta)
-        out = torch.where(at[:, :, None, None], o, out)
-        states = torch.where(at[:, :, None, None, None], s, states)
+
+    def step(before, bi, ni):
+        out, state = delta_step(before[0], q[bi, ni], k[bi, ni], v[bi, ni], g[bi, ni], beta[bi, ni])
+        return out, (state,)
+
+    out, (states,) = tree_scan(step, (state0.float(),), parents)
     return out, states
+
+
+def chain_conv(x: Tensor, window0: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``tree_conv`` for a plain sequence (row i's parent is row i - 1), in one convolution.
+    ``x [b, T, C]``, ``window0 [b, C, W-1]`` -> (outputs ``[b, T, C]``, windows ``[b, T, C, W-1]``)."""
+    w = weight.shape[-1]
+    full = torch.cat([window0.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [b, C, W-1+T]
+    out = F.conv1d(full.float(), weight.float().unsqueeze(1), bias.float() if bias is not None else None,
+                   groups=weight.shape[0])  # fmt: skip
+    windows = full.unfold(-1, w - 1, 1)[:, :, 1:]  # [b, C, T, W-1]: the last W-1 inputs after each row
+    return F.silu(out).transpose(1, 2), windows.permute(0, 2, 1, 3)
+
+
+def chain_delta_rule(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state0: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``tree_delta_rule`` for a plain sequence: the same step, the normalisation hoisted out of the
+    loop. Shapes as ``tree_delta_rule`` without ``parents``."""
+    hv, h = v.shape[-2], q.shape[-2]
+    rep = hv // h
+    qn = _l2norm(q.float()).repeat_interleave(rep, dim=-2) * q.shape[-1] ** -0.5
+    kn = _l2norm(k.float()).repeat_interleave(rep, dim=-2)
+    decay, beta, v = torch.exp(g)[..., None, None], beta.float().unsqueeze(-1), v.float()
+    s = state0.float()
+    outs, states = [], []
+    for t in range(q.shape[1]):
+        s = s * decay[:, t]
+        kt = kn[:, t].unsqueeze(-1)
+        delta = (v[:, t] - (kt * s).sum(-2)) * beta[:, t]
+        s = s + kt * delta.unsqueeze(-2)
+        outs.append((qn[:, t].unsqueeze(-1) * s).sum(-2))
+        states.append(s)
+    return torch.stack(outs, 1), torch.stack(states, 1)

@@ -1,8 +1,11 @@
-"""`ddtree lab make-models DIR`: train the lab target, distil the drafter on it, write real checkpoints.
+"""`ddtree lab make-models DIR [--kind dense|hybrid]`: train the lab target, distil the drafter on it, write
+real checkpoints.
 
-Deterministic: every random draw comes from seeded generators and training runs on one thread, so the same
-seed gives the same bytes. Writes DIR/target, DIR/draft and DIR/draft-mismatched (a drafter made for a target
-of another width, for fault tests), each config.json + model.safetensors like the real checkpoints.
+Two pairs: ``dense`` (a Qwen3-style target) and ``hybrid`` (Qwen3.5's pattern: three Gated DeltaNet layers,
+then one attention layer), each with a DFlash drafter distilled on its own target. Deterministic: every
+random draw comes from seeded generators and training runs on one thread, so the same seed gives the same
+bytes. Writes DIR/target, DIR/draft and DIR/draft-mismatched (a drafter made for a target of another width,
+for fault tests), each config.json + model.safetensors like the real checkpoints.
 """
 
 from __future__ import annotations
@@ -29,6 +32,11 @@ from ddtree_runtime.lab.models import (
 from ddtree_runtime.lab.tokenizer import EOS_TOKEN_ID, MASK_TOKEN_ID, VOCAB_SIZE, LabTokenizer
 
 TARGET_CONFIG = TargetConfig(vocab_size=VOCAB_SIZE)
+# Qwen3.5's hybrid pattern (full_attention_interval 4): layers 0-2 Gated DeltaNet, layer 3 attention.
+HYBRID_TARGET_CONFIG = TargetConfig(
+    vocab_size=VOCAB_SIZE, layer_types=("linear_attention",) * 3 + ("full_attention",)
+)
+TARGET_CONFIGS = {"dense": TARGET_CONFIG, "hybrid": HYBRID_TARGET_CONFIG}
 TARGET_LAYER_IDS = (1, 2)
 DRAFT_CONFIG = DraftConfig(
     vocab_size=VOCAB_SIZE,
@@ -150,11 +158,16 @@ def make_models(
     out_dir: str | Path,
     *,
     seed: int = 0,
+    kind: str = "dense",
     target_steps: int = 120,
     draft_steps: int = 300,
     log: Callable[[str], None] = print,
 ) -> dict:
-    """Train and write the lab models; returns a summary (losses, seconds, paths)."""
+    """Train and write the lab models (``kind``: dense or hybrid); returns a summary (losses, seconds,
+    paths)."""
+    if kind not in TARGET_CONFIGS:
+        raise ValueError(f"unknown lab model kind {kind!r}; choose one of {sorted(TARGET_CONFIGS)}")
+    target_config = TARGET_CONFIGS[kind]
     out = Path(out_dir)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one thread: identical float reductions, hence identical bytes, every run
@@ -165,12 +178,13 @@ def make_models(
         rng = random.Random(seed)
         gen = torch.Generator().manual_seed(seed)
 
-        target = TargetModel(TARGET_CONFIG)
+        target = TargetModel(target_config)
         init_weights(target, gen)
         target_loss = _train_target(target, lang, rng, target_steps)
         _bf16_round(target)
         target.requires_grad_(False)
-        log(f"target trained: {target_steps} steps, loss {target_loss:.3f} ({time.monotonic() - t0:.1f}s)")
+        seconds = time.monotonic() - t0
+        log(f"{kind} target trained: {target_steps} steps, loss {target_loss:.3f} ({seconds:.1f}s)")
 
         groups = _distillation_set(target, lang, rng, gen)
         draft = DraftModel(DRAFT_CONFIG, TARGET_CONFIG.hidden_size)
@@ -182,7 +196,7 @@ def make_models(
         mismatched = DraftModel(MISMATCHED_DRAFT_CONFIG, MISMATCHED_TARGET_HIDDEN)
         init_weights(mismatched, gen)
 
-        _write(out / "target", target, TARGET_CONFIG.to_hf(eos_token_id=EOS_TOKEN_ID))
+        _write(out / "target", target, target_config.to_hf(eos_token_id=EOS_TOKEN_ID))
         tokenizer.save(out / "target")
         _write(out / "draft", draft, DRAFT_CONFIG.to_hf())
         mismatched_cfg = MISMATCHED_DRAFT_CONFIG.to_hf()
@@ -193,6 +207,7 @@ def make_models(
     seconds = time.monotonic() - t0
     log(f"wrote {out}/target, {out}/draft, {out}/draft-mismatched in {seconds:.1f}s")
     return {
+        "kind": kind,
         "target_loss": target_loss,
         "draft_loss": draft_loss,
         "seconds": seconds,

@@ -1,6 +1,11 @@
-"""Tiny real models for the lab: a Qwen3-style target and a DFlash-style drafter.
+"""Tiny real models for the lab: a Qwen3-style target (dense, or hybrid in the Qwen3.5 pattern) and a
+DFlash-style drafter.
 
-The target is a Qwen3 decoder (GQA, q/k RMSNorm, RoPE, SwiGLU) with HF parameter names. The drafter follows
+The dense target is a Qwen3 decoder (GQA, q/k RMSNorm, RoPE, SwiGLU) with HF parameter names. The hybrid
+target replaces three of every four attention layers with Gated DeltaNet layers (Qwen3.5's
+``full_attention_interval`` 4): a causal conv and a gated delta-rule recurrence whose state the engine
+keeps per request (``RecurrentCache``); over a draft tree every node starts from its parent's state
+(``ddtree_runtime.lab.gdn``, the recurrence SGLang's GDN tree kernels run). The drafter follows
 z-lab's `DFlashDraftModel`: no embedding and no LM head of its own (it borrows the target's), context
 features = target hidden states after `target_layer_ids`, concatenated and projected by `fc` + `hidden_norm`,
 injected as extra K/V in every layer; attention over [context, block] is non-causal.
@@ -21,6 +26,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
+from ddtree_runtime.lab import gdn
+
 
 @dataclass(frozen=True)
 class TargetConfig:
@@ -34,13 +41,28 @@ class TargetConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 32768
+    # hybrid targets (Qwen3.5 pattern): "linear_attention" layers are Gated DeltaNet
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 16
+    linear_value_head_dim: int = 16
+    linear_conv_kernel_dim: int = 4
+
+    @property
+    def is_hybrid(self) -> bool:
+        return "linear_attention" in self.layer_types
+
+    def layer_type(self, i: int) -> str:
+        return self.layer_types[i] if self.layer_types else "full_attention"
 
     def to_hf(self, *, eos_token_id: int) -> dict:
-        """config.json as a Qwen3 checkpoint has it."""
-        return {
+        """config.json as a Qwen3 (dense) or Qwen3.5 text (hybrid) checkpoint has it."""
+        base = {k: v for k, v in asdict(self).items() if k != "layer_types" and not k.startswith("linear_")}
+        out = {
             "architectures": ["Qwen3ForCausalLM"],
             "model_type": "qwen3",
-            **asdict(self),
+            **base,
             "hidden_act": "silu",
             "attention_bias": False,
             "tie_word_embeddings": False,
@@ -49,12 +71,24 @@ class TargetConfig:
             "eos_token_id": eos_token_id,
             "use_sliding_window": False,
             "sliding_window": None,
-            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "layer_types": [self.layer_type(i) for i in range(self.num_hidden_layers)],
         }
+        if self.is_hybrid:
+            full = [i for i in range(self.num_hidden_layers) if self.layer_type(i) == "full_attention"]
+            out.update(
+                architectures=["Qwen3_5ForCausalLM"],
+                model_type="qwen3_5_text",
+                full_attention_interval=full[0] + 1 if full else 0,
+                mamba_ssm_dtype="float32",
+                **{k: v for k, v in asdict(self).items() if k.startswith("linear_")},
+            )
+        return out
 
     @classmethod
     def from_hf(cls, cfg: dict) -> TargetConfig:
-        return cls(**{k: cfg[k] for k in cls.__dataclass_fields__ if k in cfg})
+        kwargs = {k: cfg[k] for k in cls.__dataclass_fields__ if k in cfg}
+        kwargs["layer_types"] = tuple(cfg.get("layer_types") or ())
+        return cls(**kwargs)
 
 
 @dataclass(frozen=True)
@@ -194,14 +228,124 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(hidden, inter)
 
 
+class GatedDeltaNet(nn.Module):
+    """Qwen3.5's linear-attention layer (HF parameter names): q/k/v through a causal depthwise conv,
+    the gated delta rule per value head, an RMS-normed output gated by SiLU(z)."""
+
+    def __init__(self, cfg: TargetConfig) -> None:
+        super().__init__()
+        h, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        kd, vd, w = cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_kernel_dim
+        self.dims = (h, hv, kd, vd)
+        self.conv_dim = 2 * h * kd + hv * vd
+        self.in_proj_qkv = nn.Linear(cfg.hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(cfg.hidden_size, hv * vd, bias=False)
+        self.in_proj_b = nn.Linear(cfg.hidden_size, hv, bias=False)
+        self.in_proj_a = nn.Linear(cfg.hidden_size, hv, bias=False)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.zeros(self.conv_dim, 1, w))
+        self.dt_bias = nn.Parameter(torch.zeros(hv))
+        self.A_log = nn.Parameter(torch.zeros(hv))
+        self.norm = RMSNorm(vd, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(hv * vd, cfg.hidden_size, bias=False)
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        _, hv, kd, vd = self.dims
+        return (self.conv_dim, self.conv1d.weight.shape[-1] - 1), (hv, kd, vd)
+
+    def forward(
+        self, x: Tensor, tree: tuple[Tensor, Tensor] | None, window0: Tensor, state0: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """x [b, n, H]; the rows form a tree (``tree = (parents, depths)``, each ``[b, n]``) or, with
+        ``tree=None``, a plain sequence, whose root continues from (window0 [b, C, W-1], state0
+        [b, HV, K, V]). Returns the layer output [b, n, H] and every row's post-token (window, state)."""
+        h, hv, kd, vd = self.dims
+        mixed, z = self.in_proj_qkv(x), self.in_proj_z(x)
+        g, beta = gdn.gates(self.A_log, self.in_proj_a(x), self.dt_bias, self.in_proj_b(x))
+        weight = self.conv1d.weight[:, 0, :]
+        if tree is None:
+            conv_out, windows = gdn.chain_conv(mixed, window0, weight, None)
+            q, k, v = gdn.split_qkv(conv_out, h, hv, kd, vd)
+            out, states = gdn.chain_delta_rule(q, k, v, g, beta, state0)
+        else:
+
+            def step(before, bi, ni):
+                conv_out, window = gdn.conv_step(before[0], mixed[bi, ni], weight, None)
+                q, k, v = gdn.split_qkv(conv_out, h, hv, kd, vd)
+                out, state = gdn.delta_step(before[1], q, k, v, g[bi, ni], beta[bi, ni])
+                return out, (window, state)
+
+            out, (windows, states) = gdn.tree_scan(step, (window0, state0), *tree)
+        b, n = x.shape[:2]
+        out = self.norm(out.to(x.dtype)) * F.silu(z.view(b, n, hv, vd))
+        return self.out_proj(out.reshape(b, n, hv * vd)), windows, states
+
+
+class GDNDecoderLayer(nn.Module):
+    def __init__(self, cfg: TargetConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.linear_attn = GatedDeltaNet(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+
+class RecurrentCache:
+    """Per request and GDN layer: the committed conv window [C, W-1] and delta-rule state
+    [HV, K, V]. A forward stages every row's post-token state; ``commit(rows)`` keeps, per request,
+    the state after ``rows[r]`` (the accepted node, or the last prompt token)."""
+
+    def __init__(self, shapes: list[tuple[tuple[int, ...], tuple[int, ...]]], batch: int, like: Tensor):
+        self.conv = [like.new_zeros((batch, *c)) for c, _ in shapes]
+        self.ssm = [torch.zeros((batch, *s), dtype=torch.float32, device=like.device) for _, s in shapes]
+        self.staged: list[tuple[Tensor, Tensor] | None] = [None] * len(shapes)
+
+    def stage(self, i: int, windows: Tensor, states: Tensor) -> None:
+        self.staged[i] = (windows, states)
+
+    def commit(self, rows: Tensor) -> None:
+        """rows [b]: the row (of the last forward) whose state each request keeps."""
+        idx = torch.arange(rows.shape[0], device=rows.device)
+        for i, staged in enumerate(self.staged):
+            if staged is None:
+                raise RuntimeError("RecurrentCache.commit without a staged forward")
+            windows, states = staged
+            self.conv[i] = windows[idx, rows].to(self.conv[i].dtype)
+            self.ssm[i] = states[idx, rows]
+        self.staged = [None] * len(self.staged)
+
+    def select(self, keep: Tensor) -> None:
+        self.conv = [t.index_select(0, keep) for t in self.conv]
+        self.ssm = [t.index_select(0, keep) for t in self.ssm]
+
+    def extend(self, other: RecurrentCache) -> None:
+        self.conv = [torch.cat([a, b]) for a, b in zip(self.conv, other.conv, strict=True)]
+        self.ssm = [torch.cat([a, b]) for a, b in zip(self.ssm, other.ssm, strict=True)]
+
+
 class KVCache:
     """Per-layer K/V rows [b, kv_heads, capacity, head_dim]; row i holds the token at logical position i."""
 
-    def __init__(self, layers: int, batch: int, kv_heads: int, head_dim: int, capacity: int, like: Tensor):
+    def __init__(
+        self,
+        layers: int,
+        batch: int,
+        kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        like: Tensor,
+        recurrent: RecurrentCache | None = None,
+    ):
         shape = (batch, kv_heads, capacity, head_dim)
         self.k = [like.new_zeros(shape) for _ in range(layers)]
         self.v = [like.new_zeros(shape) for _ in range(layers)]
         self.capacity = capacity
+        self.recurrent = recurrent  # hybrid targets: the GDN layers' state, kept alongside the KV
+
+    def commit_recurrent(self, rows: Tensor) -> None:
+        """Hybrid targets: keep each request's state after ``rows[r]`` of the last forward."""
+        if self.recurrent is not None:
+            self.recurrent.commit(rows)
 
     def write(self, layer: int, rows: Tensor, k: Tensor, v: Tensor) -> None:
         """rows [b, n] absolute cache rows for k/v [b, h, n, d]."""
@@ -226,6 +370,8 @@ class KVCache:
         """Keep only the requests at indices `keep` (finished ones leave the batch)."""
         self.k = [t.index_select(0, keep) for t in self.k]
         self.v = [t.index_select(0, keep) for t in self.v]
+        if self.recurrent is not None:
+            self.recurrent.select(keep)
 
     def extend(self, other: KVCache, capacity: int) -> None:
         """Append other's requests as new rows; both grow to `capacity` rows per request."""
@@ -236,6 +382,8 @@ class KVCache:
         self.k = [torch.cat([grow(a), grow(b)]) for a, b in zip(self.k, other.k, strict=True)]
         self.v = [torch.cat([grow(a), grow(b)]) for a, b in zip(self.v, other.v, strict=True)]
         self.capacity = capacity
+        if self.recurrent is not None and other.recurrent is not None:
+            self.recurrent.extend(other.recurrent)
 
 
 class TargetModel(nn.Module):
@@ -245,7 +393,9 @@ class TargetModel(nn.Module):
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.model.layers = nn.ModuleList(
-            DecoderLayer(
+            GDNDecoderLayer(cfg)
+            if cfg.layer_type(i) == "linear_attention"
+            else DecoderLayer(
                 cfg.hidden_size,
                 cfg.num_attention_heads,
                 cfg.num_key_value_heads,
@@ -253,15 +403,21 @@ class TargetModel(nn.Module):
                 cfg.intermediate_size,
                 cfg.rms_norm_eps,
             )
-            for _ in range(cfg.num_hidden_layers)
+            for i in range(cfg.num_hidden_layers)
         )
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.gdn_layers = [i for i in range(cfg.num_hidden_layers) if cfg.layer_type(i) == "linear_attention"]
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         c = self.cfg
         like = self.lm_head.weight
-        return KVCache(c.num_hidden_layers, batch, c.num_key_value_heads, c.head_dim, capacity, like)
+        recurrent = None
+        if self.gdn_layers:
+            shapes = [self.model.layers[i].linear_attn.state_shapes() for i in self.gdn_layers]
+            recurrent = RecurrentCache(shapes, batch, like)
+        kv_heads, head_dim = c.num_key_value_heads, c.head_dim
+        return KVCache(c.num_hidden_layers, batch, kv_heads, head_dim, capacity, like, recurrent)
 
     def forward(
         self,
@@ -272,15 +428,39 @@ class TargetModel(nn.Module):
         cache: KVCache | None = None,
         rows: Tensor | None = None,
         capture_layer_ids: tuple[int, ...] = (),
+        parents: Tensor | None = None,
     ) -> tuple[Tensor, list[Tensor]]:
         """input_ids/positions [b, n]. Without a cache, allowed is [b, n, n]; with one, the new K/V go to
         cache `rows` [b, n] and allowed is [b, n, S] over cache rows 0..S-1.
+        GDN layers (hybrid targets) run the rows as a tree: ``parents [b, n]`` (default: a chain), the
+        root continuing from the cache's committed recurrent state (zeros without a cache); the cache
+        stages every row's state for ``KVCache.commit_recurrent``.
         Returns logits [b, n, V] and the residual stream after each layer in capture_layer_ids."""
         h = self.model.embed_tokens(input_ids)
         theta = self.cfg.rope_theta
         captured: dict[int, Tensor] = {}
+        b = input_ids.shape[0]
+        tree = (parents, gdn.node_depths(parents)) if self.gdn_layers and parents is not None else None
+        recurrent = cache.recurrent if cache is not None else None
         for i, layer in enumerate(self.model.layers):
             x = layer.input_layernorm(h)
+            if isinstance(layer, GDNDecoderLayer):
+                gi = self.gdn_layers.index(i)
+                lin = layer.linear_attn
+                if recurrent is not None:
+                    window0, state0 = recurrent.conv[gi], recurrent.ssm[gi]
+                else:
+                    (cshape, sshape) = lin.state_shapes()
+                    window0 = x.new_zeros((b, *cshape))
+                    state0 = torch.zeros((b, *sshape), dtype=torch.float32, device=x.device)
+                out, windows, states = lin(x, tree, window0, state0)
+                if recurrent is not None:
+                    recurrent.stage(gi, windows, states)
+                h = h + out
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
+                if i in capture_layer_ids:
+                    captured[i] = h
+                continue
             attn = layer.self_attn
             q = attn.queries(x, positions, theta)
             k, v = attn.keys_values(x, positions, theta)

@@ -21,16 +21,18 @@ from pathlib import Path
 
 import ddtree_runtime.lab as lab_pkg
 
-_SOURCES = ("make.py", "models.py", "language.py", "tokenizer.py")
+_SOURCES = ("make.py", "models.py", "gdn.py", "language.py", "tokenizer.py")
 
 
 @cache
-def lab_models() -> Path:
-    """DIR with target/, draft/, draft-mismatched/; rebuilt only when the model-making code changes."""
+def lab_models(kind: str = "dense") -> Path:
+    """DIR with target/, draft/, draft-mismatched/ of the dense or the hybrid pair; rebuilt only when
+    the model-making code changes."""
     digest = hashlib.sha256()
     for name in _SOURCES:
         digest.update((Path(lab_pkg.__file__).parent / name).read_bytes())
-    root = Path(tempfile.gettempdir()) / f"ddtree-lab-models-{os.getuid()}-{digest.hexdigest()[:16]}"
+    suffix = "" if kind == "dense" else f"-{kind}"
+    root = Path(tempfile.gettempdir()) / f"ddtree-lab-models-{os.getuid()}-{digest.hexdigest()[:16]}{suffix}"
     stamp = root / "done.json"
     root.mkdir(parents=True, exist_ok=True)
     with open(root / ".lock", "w") as lock:
@@ -38,7 +40,7 @@ def lab_models() -> Path:
         if not stamp.exists():
             from ddtree_runtime.lab.make import make_models
 
-            summary = make_models(root, log=lambda _msg: None)
+            summary = make_models(root, kind=kind, log=lambda _msg: None)
             stamp.write_text(json.dumps(summary))
     return root
 

@@ -1,0 +1,134 @@
+"""The lab engine on the hybrid pair (Qwen3.5 pattern: three Gated DeltaNet layers, then attention, with
+a distilled DFlash drafter): DFlash and DDTree greedy == AR greedy on the lab prompts (batched, mixed
+lengths) and for requests joining a running batch; the recurrent state each request keeps equals plain
+decoding's; the tree verify follows parent pointers (committing by row count, DFLASH's chain arithmetic,
+breaks DDTree)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddtree_runtime.lab.engine import LabEngine, SamplingParams
+from ddtree_runtime.lab.language import LAB_PROMPTS
+from tests.unit._lab import lab_models, one_thread
+
+NEW = 40
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def models(_one_thread) -> Path:
+    return lab_models("hybrid")
+
+
+@pytest.fixture(scope="module")
+def engines(models: Path) -> dict[str, LabEngine]:
+    t, d = models / "target", models / "draft"
+    return {
+        "AR": LabEngine(t),
+        "DFLASH": LabEngine(t, d, algorithm="DFLASH"),
+        "DDTREE16": LabEngine(t, d, algorithm="DDTREE", budget=16),
+        "DDTREE64": LabEngine(t, d, algorithm="DDTREE", budget=64),
+    }
+
+
+@pytest.fixture(scope="module")
+def greedy(engines) -> dict[str, tuple[list[list[int]], float]]:
+    out = {}
+    for name, engine in engines.items():
+        prompts = [engine.tokenizer.encode(p) for p in LAB_PROMPTS]
+        v0, a0 = engine.stats.verify_ct, engine.stats.accepted_sum
+        res = engine.generate(prompts, [SamplingParams(max_new_tokens=NEW)] * len(prompts))
+        v, a = engine.stats.verify_ct - v0, engine.stats.accepted_sum - a0
+        out[name] = ([r.output_ids for r in res], a / v if v else 1.0)
+    return out
+
+
+def test_the_pair_is_a_qwen35_style_hybrid(engines, models: Path) -> None:
+    import json
+
+    from ddtree_runtime.contract import load_contract
+
+    target = engines["AR"].target
+    assert target.cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert target.gdn_layers == [0, 1, 2]
+    cfg = json.loads((models / "target" / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3_5_text" and cfg["full_attention_interval"] == 4
+    assert load_contract(models / "target", models / "draft").hybrid is True
+
+
+@pytest.mark.parametrize("name", ["DFLASH", "DDTREE16", "DDTREE64"])
+def test_speculative_greedy_is_token_identical_to_ar(greedy, name: str) -> None:
+    ar, _ = greedy["AR"]
+    spec, _ = greedy[name]
+    assert all(len(o) == NEW for o in spec)
+    assert spec == ar
+
+
+def test_the_distilled_drafter_is_accepted_and_trees_beat_the_chain(greedy) -> None:
+    dflash, tree16, tree64 = greedy["DFLASH"][1], greedy["DDTREE16"][1], greedy["DDTREE64"][1]
+    assert dflash >= 1.5, dflash
+    assert tree64 >= tree16 >= dflash, (tree64, tree16, dflash)
+
+
+def test_requests_joining_a_running_batch_decode_exactly(engines, greedy) -> None:
+    engine = engines["DDTREE16"]
+    enc = engine.tokenizer.encode
+    batch = engine.new_batch()
+    first = batch.admit([enc(LAB_PROMPTS[0]), enc(LAB_PROMPTS[3])], [SamplingParams(max_new_tokens=NEW)] * 2)
+    for _ in range(2):
+        batch.step()
+    late = batch.admit([enc(LAB_PROMPTS[5])], [SamplingParams(max_new_tokens=NEW)])
+    batch.step()
+    late += batch.admit([enc(LAB_PROMPTS[1])], [SamplingParams(max_new_tokens=NEW)])
+    finished = []
+    while len(batch):
+        finished += batch.step()
+    assert {id(r) for r in finished} == {id(r) for r in first + late}
+    ar = greedy["AR"][0]
+    assert [r.result.output_ids for r in first + late] == [ar[0], ar[3], ar[5], ar[1]]
+
+
+def test_recurrent_state_after_tree_rounds_equals_plain_decodings(engines) -> None:
+    engine = engines["DDTREE64"]
+    enc = engine.tokenizer.encode
+    prompts = [enc(LAB_PROMPTS[2]), enc(LAB_PROMPTS[4])]
+    batch = engine.new_batch()
+    reqs = batch.admit(prompts, [SamplingParams(max_new_tokens=200, ignore_eos=True)] * 2)
+    for _ in range(4):
+        batch.step()
+    committed = [r.prompt + r.output[:-1] for r in reqs]  # the last token is the next round's root
+    assert batch.lens.tolist() == [len(c) for c in committed]
+    target = engine.target
+    for i, seq in enumerate(committed):
+        cache = target.new_cache(1, len(seq) + 1)
+        ids = torch.tensor([seq])
+        n = len(seq)
+        allowed = torch.ones(n, n, dtype=torch.bool).tril()[None]
+        target(ids, torch.arange(n)[None], allowed, cache=cache, rows=torch.arange(n)[None])
+        cache.commit_recurrent(torch.tensor([n - 1]))
+        for layer in range(len(target.gdn_layers)):
+            got_conv, got_ssm = batch.cache.recurrent.conv[layer][i], batch.cache.recurrent.ssm[layer][i]
+            assert torch.allclose(got_conv, cache.recurrent.conv[layer][0], atol=1e-5)
+            assert torch.allclose(got_ssm, cache.recurrent.ssm[layer][0], atol=1e-4)
+
+
+def test_committing_by_row_count_breaks_trees_but_not_the_chain(models: Path, greedy, monkeypatch) -> None:
+    """DFLASH commits row ``accepted - 1``, its chain's last accepted row. That arithmetic is right for
+    a chain and wrong for a tree, whose accepted path is not a prefix of the rows: the engine commits
+    the accepted node (``_recurrent_commit_rows``), and this test shows why it must."""
+    monkeypatch.setattr(LabEngine, "_recurrent_commit_rows", staticmethod(lambda walk: walk.num_accepted - 1))
+    ar = greedy["AR"][0]
+    for algorithm, same in (("DFLASH", True), ("DDTREE", False)):
+        engine = LabEngine(models / "target", models / "draft", algorithm=algorithm, budget=16)
+        prompts = [engine.tokenizer.encode(p) for p in LAB_PROMPTS]
+        out = engine.generate(prompts, [SamplingParams(max_new_tokens=NEW)] * len(prompts))
+        assert ([r.output_ids for r in out] == ar) is same, algorithm
