@@ -129,6 +129,7 @@ def static_probe(model_path: str, draft_model_path: str) -> Report:
         "target_layer_ids": list(contract.target_layer_ids),
         "expected_hidden_width": contract.capture_width,
         "draft_fc_in_features": contract.fc_in_features,
+        "target_hybrid": contract.hybrid,
     }
     report.check("contract", True, f"configs and drafter fc.weight header read; "
                  f"warnings: {'; '.join(contract.warnings) or 'none'}")
@@ -543,7 +544,8 @@ def live_probe(url: str, *, timeout: float = 600, min_accept_length: float | Non
         _check_handshake(report, info.get("ddtree_handshake"))
     _check_accept_length(report, info, counts, base, request_timeout, min_accept_length)
     if report.ok:
-        report.message = (f"{base} ready, {algorithm}, handshake "
+        hybrid = ", hybrid target" if report.handshake.get("target_hybrid") is True else ""
+        report.message = (f"{base} ready, {algorithm}{hybrid}, handshake "
                           f"{report.handshake.get('status', 'n/a')}, accept length "
                           f"{report.figures['accept_length']}")
     return report

@@ -329,6 +329,7 @@ class LabServer:
             "target_layer_ids": list(c.target_layer_ids),
             "expected_hidden_width": c.capture_width,
             "draft_fc_in_features": c.fc_in_features,
+            "target_hybrid": c.hybrid,
             "observed_hidden_width": observed,
             "status": status,
         }

@@ -66,7 +66,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-eagle-topk", type=int, default=None)
     p.add_argument("--speculative-ddtree-budget", type=int, default=None)
     p.add_argument("--speculative-ddtree-topk-cap", type=int, default=None)
-    # mamba knobs (hybrid targets; accepted and reported, the lab target has no mamba layers)
+    # mamba knobs (hybrid targets; accepted and reported: the lab's hybrid target keeps its GDN state in
+    # full precision per request, with no separate cache pool)
     p.add_argument("--mamba-ssm-dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--max-mamba-cache-size", type=int, default=None)
     p.add_argument("--mamba-full-memory-ratio", type=float, default=0.9)

@@ -3,7 +3,9 @@
 Shape (docs/interfaces.md section 3)::
 
     {"algorithm", "budget", "topk_cap", "block_size", "target_hidden_size", "target_layer_ids",
-     "expected_hidden_width", "draft_fc_in_features", "observed_hidden_width", "status"}
+     "expected_hidden_width", "draft_fc_in_features", "target_hybrid", "observed_hidden_width", "status"}
+
+``target_hybrid``: the target keeps recurrent state (GDN layers verified as a tree), None if unknown.
 
 ``status``: ``pending`` until the first target forward, then ``ok``, ``mismatch`` (a width other
 than expected reached the drafter) or ``missing`` (the target returned no hidden states).
@@ -36,9 +38,17 @@ def static_handshake(settings: dict[str, Any]) -> dict[str, Any]:
         "target_layer_ids": list(layer_ids) if layer_ids else None,
         "expected_hidden_width": expected,
         "draft_fc_in_features": contract.get("fc_in_features"),
+        "target_hybrid": _target_hybrid(settings, contract),
         "observed_hidden_width": None,
         "status": "pending",
     }
+
+
+def _target_hybrid(settings: dict[str, Any], contract: dict[str, Any]) -> bool | None:
+    """SGLang's own classification when resolution ran (``hybrid_kind``), else the config files'."""
+    if "hybrid_kind" in settings:
+        return settings["hybrid_kind"] is not None
+    return contract.get("hybrid")
 
 
 @dataclass

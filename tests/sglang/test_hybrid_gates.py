@@ -104,3 +104,14 @@ def test_hybrid_kind_is_sglangs_classification(sglang_plugins, tmp_path):
     }.items():
         kinds[name] = hybrid_kind(model_config_of(prepare_server_args(ddtree_argv(*pair, *CPU))))
     assert kinds == {"qwen3.6-27b": "gdn", "qwen3-8b": None, "nemotron-h": "mamba2"}
+
+
+def test_the_handshake_reports_the_target_hybrid(sglang_plugins, tmp_path):
+    from ddtree_runtime.sglang_plugin.handshake import static_handshake
+    from tests.fixtures_models import write_pair
+
+    hybrid, _ = resolve(ddtree_argv(*write_pair(tmp_path / "a", "qwen3.6-27b"), *CPU))
+    dense, _ = resolve(ddtree_argv(*write_pair(tmp_path / "b", "qwen3-8b"), *CPU))
+    assert static_handshake(hybrid._ddtree_resolved)["target_hybrid"] is True
+    assert static_handshake(dense._ddtree_resolved)["target_hybrid"] is False
+    assert static_handshake({"contract": {"hybrid": True}})["target_hybrid"] is True  # files only

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.sglang
 
 HANDSHAKE_KEYS = {
     "algorithm", "budget", "topk_cap", "block_size", "target_hidden_size", "target_layer_ids",
-    "expected_hidden_width", "draft_fc_in_features", "observed_hidden_width", "status",
+    "expected_hidden_width", "draft_fc_in_features", "target_hybrid", "observed_hidden_width", "status",
 }
 
 

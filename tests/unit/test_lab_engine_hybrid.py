@@ -132,3 +132,24 @@ def test_committing_by_row_count_breaks_trees_but_not_the_chain(models: Path, gr
         prompts = [engine.tokenizer.encode(p) for p in LAB_PROMPTS]
         out = engine.generate(prompts, [SamplingParams(max_new_tokens=NEW)] * len(prompts))
         assert ([r.output_ids for r in out] == ar) is same, algorithm
+
+
+def test_served_hybrid_pair_passes_the_live_probe_reporting_it_hybrid(models: Path, tmp_path: Path) -> None:
+    from ddtree_runtime.probe import EXIT_PASS, live_probe, static_probe
+    from tests.unit._lab import LabServerProcess
+
+    static = static_probe(str(models / "target"), str(models / "draft"))
+    assert static.ok and static.handshake["target_hybrid"] is True and "hybrid target" in static.message
+    srv = LabServerProcess(
+        ["--model-path", str(models / "target"), "--speculative-algorithm", "DDTREE",
+         "--speculative-draft-model-path", str(models / "draft"), "--speculative-ddtree-budget", "16",
+         "--device", "cpu"],
+        tmp=tmp_path,
+    )  # fmt: skip
+    try:
+        report = live_probe(srv.url, timeout=120, min_accept_length=1.5, max_new_tokens=24)
+    finally:
+        srv.stop()
+    assert report.ok and report.exit_code == EXIT_PASS, report.to_dict()
+    assert report.handshake["target_hybrid"] is True and report.handshake["status"] == "ok"
+    assert "hybrid target" in report.message
