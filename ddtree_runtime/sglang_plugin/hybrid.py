@@ -12,7 +12,7 @@ request's slot. DDTREE reaches that code with four seams, no edited SGLang file
    hybrid backend reads in its tree branch;
 2. ``tree_verify_branch``: the backend decides "tree" from ``self.topk``, read once at start-up from
    ``speculative_eagle_topk`` (1 under DDTREE); it is raised for the span of a DDTREE verify;
-3. ``conv_window_dedup_hook``: SGLang picks the deduplicated (overlapping) conv scratch for top-k <= 1
+3. ``sites.conv_window_dedup_hook``: SGLang picks the deduplicated (overlapping) conv scratch for top-k <= 1
    on CUDA, right only for chains; for DDTREE trees the pool gets the dense per-row layout;
 4. ``commit_tree_state``: ``spec_utils.commit_mamba_states_after_verify`` with the walk's accepted
    rows (after stop-token truncation), which maps the accepted leaf to its node index (and the mamba
@@ -34,12 +34,10 @@ import torch
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from torch import Tensor
 
+from ddtree_runtime.sglang_plugin.sites import CONV_WINDOW_DEDUP, TREE_TOPK
+
 logger = logging.getLogger(__name__)
 
-CONV_WINDOW_DEDUP = "sglang.srt.mem_cache.memory_pool.conv_window_dedup_enabled"
-# Any top-k above 1 selects SGLang's tree branch and dense conv scratch; DDTREE has no top-k of its
-# own (the tree's branching varies per node), so it states "a tree" with the smallest such value.
-TREE_TOPK = 2
 
 # --- seam 1: the verify input --------------------------------------------------------------------
 @dataclass
@@ -74,31 +72,7 @@ def tree_verify_branch(attn_backend: Any) -> Iterator[None]:
         linear.topk = saved
 
 
-# --- seam 3: dense conv scratch ------------------------------------------------------------------
-def _ddtree_verifies_trees() -> bool:
-    from ddtree_runtime.sglang_plugin.algorithm import is_chain, published_settings
-
-    settings = published_settings()
-    return settings is not None and not is_chain(settings)
-
-
-def conv_window_dedup_hook(
-    original: Any, is_npu: bool, is_cpu: bool, speculative_eagle_topk: int | None, is_kda: bool
-) -> bool:
-    """``memory_pool.conv_window_dedup_enabled`` (AROUND): the overlapping conv scratch stores one
-    shared sliding window per request, which only a chain fills correctly. When DDTREE verifies
-    trees, ask SGLang's own rule as a tree (top-k > 1): it answers "dense"."""
-    if _ddtree_verifies_trees():
-        speculative_eagle_topk = max(int(speculative_eagle_topk or 0), TREE_TOPK)
-    return original(is_npu, is_cpu, speculative_eagle_topk, is_kda)
-
-
-def register_hybrid_hooks() -> None:
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    HookRegistry.register(CONV_WINDOW_DEDUP, conv_window_dedup_hook, HookType.AROUND)
-
-
+# --- seam 3: dense conv scratch (the hook lives in sites.py: registration imports nothing heavy) ----
 class HybridScratchError(RuntimeError):
     """The hybrid state pool cannot hold a tree's per-row states (the message says why)."""
 

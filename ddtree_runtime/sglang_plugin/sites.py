@@ -18,6 +18,10 @@ logger = logging.getLogger(__name__)
 SPEC_NEED_HIDDEN_STATES = "sglang.srt.speculative.spec_utils.spec_need_hidden_states"
 HANDLE_SPECULATIVE_DECODING = "sglang.srt.arg_groups.speculative_hook.handle_speculative_decoding"
 METRICS_REPORTER = "sglang.srt.managers.scheduler_components.metrics_reporter"
+CONV_WINDOW_DEDUP = "sglang.srt.mem_cache.memory_pool.conv_window_dedup_enabled"
+# Any top-k above 1 selects SGLang's tree branch and dense conv scratch; DDTREE has no top-k of its
+# own (the tree's branching varies per node), so it states "a tree" with the smallest such value.
+TREE_TOPK = 2
 
 
 def _running_ddtree() -> bool:
@@ -66,8 +70,27 @@ def include_in_spec_decode_snapshot(algo: Any) -> None:
         module._SPEC_DECODE_SNAPSHOT_ALGORITHMS = (*current, algo)
 
 
+def _ddtree_verifies_trees() -> bool:
+    from ddtree_runtime.sglang_plugin.algorithm import is_chain, published_settings
+
+    settings = published_settings()
+    return settings is not None and not is_chain(settings)
+
+
+def conv_window_dedup_hook(
+    original: Any, is_npu: bool, is_cpu: bool, speculative_eagle_topk: int | None, is_kda: bool
+) -> bool:
+    """memory_pool.py ~135 ``conv_window_dedup_enabled`` (AROUND): the overlapping conv scratch stores
+    one shared sliding window per request, which only a chain fills correctly (hybrid.py, seam 3).
+    When DDTREE verifies trees, SGLang's own rule is asked as for a tree (top-k > 1): "dense"."""
+    if _ddtree_verifies_trees():
+        speculative_eagle_topk = max(int(speculative_eagle_topk or 0), TREE_TOPK)
+    return original(is_npu, is_cpu, speculative_eagle_topk, is_kda)
+
+
 def register_site_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(SPEC_NEED_HIDDEN_STATES, spec_need_hidden_states_hook, HookType.AROUND)
     HookRegistry.register(HANDLE_SPECULATIVE_DECODING, handle_speculative_decoding_hook, HookType.AROUND)
+    HookRegistry.register(CONV_WINDOW_DEDUP, conv_window_dedup_hook, HookType.AROUND)
