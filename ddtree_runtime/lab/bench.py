@@ -1,9 +1,12 @@
-"""Lab engine benchmark: tokens/s and mean acceptance length for AR, DFlash and DDTree on the lab models.
+"""Lab engine benchmark: tokens/s and mean acceptance length for AR, DFlash and DDTree on the lab pairs.
 
-Prints one JSON line per method (median over --repeats runs of the lab prompts as one batch, and the ratio
-to AR measured in the same process), so results can be compared side by side across devices:
+Prints one JSON line per pair and method (median over --repeats runs of the lab prompts as one batch, and
+the ratio to AR measured in the same process), so results can be compared side by side across devices.
+Both pairs by default: the dense one (Qwen3-style target) and the hybrid one (Qwen3.5-style: Gated
+DeltaNet + attention layers), each with its distilled drafter:
 
-    python -m ddtree_runtime.lab.bench [--models DIR] [--device cuda] [--budgets 16,64]
+    python -m ddtree_runtime.lab.bench [--models DIR[,DIR]] [--kinds dense,hybrid] [--device cuda]
+                                       [--budgets 16,64]
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ def run_bench(
 
     from ddtree_runtime.lab.engine import LabEngine, SamplingParams
     from ddtree_runtime.lab.language import LAB_PROMPTS
+    from ddtree_runtime.lab.models import load_target_config
 
+    pair = "hybrid" if load_target_config(models / "target").is_hybrid else "dense"
     texts = list(prompts or LAB_PROMPTS)
     if batch_size:
         texts = (texts * (batch_size // len(texts) + 1))[:batch_size]
@@ -71,6 +76,7 @@ def run_bench(
         rows.append(
             {
                 "bench": "lab_engine",
+                "pair": pair,
                 "method": {"NONE": "AR"}.get(algo, algo),
                 "budget": budget,
                 "device": device,
@@ -92,7 +98,8 @@ def _default_device() -> str:
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--models", default=None, help="lab models dir (default: make them in a temp dir)")
+    p.add_argument("--models", default=None, help="lab model dirs, comma separated (default: make --kinds)")
+    p.add_argument("--kinds", default="dense,hybrid", help="pairs to make when --models is not given")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--budgets", default="16,64", help="DDTree budgets, comma separated")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -112,27 +119,33 @@ def bench_main(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(args.threads)  # tiny models: one thread is the fastest on CPU
     with tempfile.TemporaryDirectory(prefix="ddtree-lab-bench-") as tmp:
-        models = Path(args.models) if args.models else Path(tmp)
-        if not args.models:
+        if args.models:
+            dirs = [Path(d) for d in str(args.models).split(",") if d.strip()]
+        else:
             from ddtree_runtime.lab.make import make_models
 
-            make_models(models, log=lambda msg: print(msg, file=sys.stderr))
-        if not (models / "target" / "config.json").exists():
-            print(
-                f"{models}/target/config.json not found: run `ddtree lab make-models {models}`",
-                file=sys.stderr,
+            dirs = []
+            for kind in str(args.kinds).split(","):
+                dirs.append(Path(tmp) / kind)
+                make_models(dirs[-1], kind=kind, log=lambda msg: print(msg, file=sys.stderr))
+        for models in dirs:
+            if not (models / "target" / "config.json").exists():
+                print(
+                    f"{models}/target/config.json not found: run `ddtree lab make-models {models}`",
+                    file=sys.stderr,
+                )
+                return 2
+        for models in dirs:
+            rows = run_bench(
+                models,
+                device=device,
+                budgets=budgets,
+                max_new_tokens=args.max_new_tokens,
+                repeats=args.repeats,
+                batch_size=args.batch_size,
             )
-            return 2
-        rows = run_bench(
-            models,
-            device=device,
-            budgets=budgets,
-            max_new_tokens=args.max_new_tokens,
-            repeats=args.repeats,
-            batch_size=args.batch_size,
-        )
-    for row in rows:
-        print(json.dumps(row), flush=True)
+            for row in rows:
+                print(json.dumps(row), flush=True)
     return 0
 
 

@@ -555,10 +555,14 @@ def _read_config(directory: Path) -> dict:
         raise FileNotFoundError(f"{path} not found: run `ddtree lab make-models DIR` first") from exc
 
 
+def load_target_config(directory: str | Path) -> TargetConfig:
+    return TargetConfig.from_hf(_read_config(Path(directory)))
+
+
 def load_target(directory: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32):
     """A Qwen3-style lab target from config.json + model.safetensors (strict: every tensor must fit)."""
     directory = Path(directory)
-    cfg = TargetConfig.from_hf(_read_config(directory))
+    cfg = load_target_config(directory)
     model = TargetModel(cfg)
     model.load_state_dict(load_file(str(directory / "model.safetensors")), strict=True)
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)

@@ -231,3 +231,22 @@ def test_worker_start_refuses_a_hybrid_pool_that_cannot_hold_a_tree(publish_ddtr
     with pytest.raises(TreeDecodeNotAvailable, match="deduplicated chain layout"):
         check_tree_worker_features(_settings(), worker(chain_layout))
     check_tree_worker_features(_settings(topk_cap=1, budget=BLOCK - 1), worker(chain_layout))  # DFlash's
+
+
+def test_a_stop_token_inside_the_accepted_path_commits_the_truncated_nodes_state(publish_ddtree, monkeypatch):
+    publish_ddtree("--speculative-ddtree-budget", str(BUDGET))
+    prompt = [3, 1, 4, 1, 5]
+    free, _, rows, bonus, _ = _hybrid_worker([prompt], monkeypatch, noise=0.0)  # a perfect drafter
+    first = free.forward_batch_generation(_batch(rows, [len(prompt)], bonus))
+    n = int(first.accept_lens[0])
+    tokens = first.next_token_ids[:n].tolist()
+    assert n >= 3 and tokens[1] != tokens[0]
+    worker, toy, rows, bonus, _ = _hybrid_worker([prompt], monkeypatch, noise=0.0)
+    batch = _batch(rows, [len(prompt)], bonus)
+    batch.reqs[0].sampling_params.ignore_eos = False
+    batch.reqs[0].eos_token_ids = {tokens[1]}
+    res = worker.forward_batch_generation(batch)
+    assert int(res.accept_lens[0]) == 2 and res.new_seq_lens.tolist() == [len(prompt) + 2]
+    _, window, state = toy.target.mixed_rows([*prompt, bonus[0], tokens[0]])  # root + one accepted node
+    got_window, got_state = _slot_state(toy, rows[0])
+    assert torch.allclose(got_window, window, atol=1e-5) and torch.allclose(got_state, state, atol=1e-5)
