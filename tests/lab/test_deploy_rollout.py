@@ -194,6 +194,8 @@ def test_check_diff_shows_the_switch_and_changes_nothing(rollout):
     assert proc.returncode == 0, proc.stdout[-4000:]
     assert "-    --context-length 32768" in proc.stdout
     assert "+    --context-length 8192" in proc.stdout
+    # --check shows the plan: the profile against ct129's declared GPUs (two RTX A6000), term by term
+    assert '"ddtree plan: profile shadow-small"' in proc.stdout and '"  verdict: FITS"' in proc.stdout
     assert rollout.fingerprint() == before
     assert rollout.main_pid_since() == pid
     report("check_diff", seconds=round(took, 1))
