@@ -135,7 +135,7 @@ def plan_memory(
     add("free", f"free on GPU {used[lowest].index} ({used[lowest].name})", free, where)
     context = CONTEXT_GIB.get(tp, CONTEXT_GIB_TP)
     add("context", "CUDA context" + (" + NCCL" if tp > 1 else ""), context, "per process", estimate=True)
-    pre = free - context
+    pre = max(0.0, free - context)
     add("pre_load", "available before the model loads", pre, "", "bootstrap.measure_pre_model_load_memory")
     f = r.mem_fraction_static
     static = pre * f
@@ -207,6 +207,17 @@ def plan_memory(
             **kw,
         )
 
+    if pre <= 0:
+        held = " (what the live service holds is taken off)" if claimed_gib else ""
+        return done(
+            Verdict(
+                "does_not_fit",
+                "free",
+                context - free,
+                f"GPU {used[lowest].index} has {free:.2f} GiB free{held}, less than the CUDA context "
+                "alone needs: the server cannot start there",
+            )
+        )
     if weights + mm >= pre:
         return done(
             Verdict(

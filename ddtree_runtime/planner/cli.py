@@ -101,7 +101,11 @@ def _gpus(args: argparse.Namespace, runs_on: dict[str, Any] | None) -> list[gpu_
             )
         return gpu_facts.parse_nvidia_smi_csv(out.stdout)
     if runs_on and runs_on.get("gpus"):
-        return gpu_facts.parse_shorthand(str(runs_on["gpus"]))
+        reference = gpu_facts.parse_shorthand(str(runs_on["gpus"]))
+        if runs_on.get("free_mib"):  # a GPU other work shares
+            free = int(runs_on["free_mib"])
+            reference = [gpu_facts.GpuFacts(g.index, g.name, g.total_mib, free, "runs_on") for g in reference]
+        return reference
     raise PlanError("which GPUs? give --gpus (e.g. 1xH200, 2xA6000), --nvidia-smi FILE or --gpus-json")
 
 
@@ -152,12 +156,12 @@ def plan_from_args(args: argparse.Namespace) -> tuple[Plan, list[Any], list[str]
     settings = _settings(args, profiles, args.profile, args.flags_json, extra)
     host_gpus = _gpus(args, runs_on)
     visible = _visible(args.visible_devices)
-    beside = args.beside_profile or (runs_on or {}).get("beside")
-    if (
-        visible is None
-        and runs_on
-        and not (args.gpus or args.nvidia_smi or args.gpus_json or args.nvidia_smi_csv is not None)
-    ):
+    # A profile's runs_on (its reference host, the live profile beside it, its GPUs there) applies when
+    # no GPUs are given: with explicit GPUs, only what is asked for is planned.
+    explicit = args.gpus or args.nvidia_smi or args.gpus_json or args.nvidia_smi_csv is not None
+    on_reference = bool(runs_on) and not explicit
+    beside = args.beside_profile or ((runs_on or {}).get("beside") if on_reference else None)
+    if visible is None and on_reference:
         visible = _visible(runs_on.get("cuda_visible_devices"))
     claimed = None
     notes: tuple[str, ...] = ()

@@ -152,9 +152,11 @@ def _singles(
                 hit[1],
             )
 
-    # more GPUs per server
+    # more GPUs per server (fewer, when the host has fewer than the profile asks for)
     tp = settings.tp_size
     wider = [{"tp-size": t} for t in (2, 4, 8) if tp < t <= len(plan.gpus)]
+    if plan.verdict.term == "gpus":
+        wider = [{"tp-size": t} for t in (4, 2, 1) if t < tp and t <= len(plan.gpus)]
     hit = _first_fit(settings, wider, replan)
     if hit:
         yield Change(hit[0], f"tp-size {tp} -> {hit[0]['tp-size']}", hit[1])

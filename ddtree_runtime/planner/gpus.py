@@ -22,6 +22,9 @@ NVIDIA_SMI_COMMAND = ["nvidia-smi", f"--query-gpu={NVIDIA_SMI_QUERY}", "--format
 
 # What nvidia-smi reports as memory.total (MiB) for the GPUs this fleet meets; the key is matched
 # against the shorthand and against nvidia-smi's name.
+# An idle GPU is not all free: nvidia-smi on an idle H200 reports 143156 of 143771 MiB free with nothing
+# running (tests/unit/data/nvidia-smi-h200.csv); the same reserve is assumed for the others.
+IDLE_RESERVED_MIB = 615
 KNOWN_GPUS: dict[str, tuple[str, int]] = {
     "h200": ("NVIDIA H200", 143771),
     "h100": ("NVIDIA H100 80GB HBM3", 81559),
@@ -76,7 +79,8 @@ def parse_shorthand(text: str) -> list[GpuFacts]:
                 "(e.g. 1xH200, 2xA6000), or give nvidia-smi's CSV with --gpus-csv"
             )
         name, total = known
-        out += [GpuFacts(len(out) + i, name, total, total, "shorthand") for i in range(int(m.group(1)))]
+        idle = total - IDLE_RESERVED_MIB
+        out += [GpuFacts(len(out) + i, name, total, idle, "shorthand") for i in range(int(m.group(1)))]
     if not out:
         raise PlanError("no GPUs given")
     return out
@@ -123,7 +127,7 @@ def from_declared(entries: Iterable[dict[str, Any]] | dict[str, Any]) -> list[Gp
     """The inventory's ``ddtree_gpus``: a list of ``{name, count?, memory_total_mib?, memory_free_mib?}``.
 
     A known name may leave the memory out (the catalogue has nvidia-smi's figure); free memory
-    defaults to the total (an idle GPU).
+    defaults to what an idle GPU has free (the total less ``IDLE_RESERVED_MIB``).
     """
     if isinstance(entries, dict):
         entries = [entries]
@@ -139,7 +143,7 @@ def from_declared(entries: Iterable[dict[str, Any]] | dict[str, Any]) -> list[Gp
                 "(nvidia-smi's memory.total)"
             )
         count = int(entry.get("count", 1))
-        free = int(entry.get("memory_free_mib", total))
+        free = int(entry.get("memory_free_mib", max(1, int(total) - IDLE_RESERVED_MIB)))
         if count < 1 or int(total) < 1 or not 0 <= free <= int(total):
             raise PlanError(f"ddtree_gpus: impossible entry {entry!r} (count >= 1, 0 <= free <= total)")
         name = known[0] if known else str(entry["name"])

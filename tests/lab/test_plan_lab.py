@@ -63,7 +63,7 @@ def test_deploy_refuses_a_profile_that_does_not_fit_before_touching_the_host(lab
     assert proc.returncode != 0, proc.stdout[-3000:]
     out = flat(proc.stdout)
     assert f"Profile balanced does not fit {HOST}'s GPUs (inventory)" in out
-    assert "do not fit in the 47.4 GiB the GPU has" in out
+    assert "do not fit in the 46.8 GiB the GPU has" in out
     assert "Smallest change that fits: tp-size 1 -> 2" in out
     assert "Profiles that fit as they are: balanced-tp2" in out
     assert '"  verdict: DOES NOT FIT: target weights by' in proc.stdout  # the table, before the refusal
@@ -74,7 +74,7 @@ def test_deploy_refuses_a_profile_that_does_not_fit_before_touching_the_host(lab
 
 
 def test_canary_plans_the_shadow_inside_what_live_leaves(lab, big_models):
-    """One GPU's worth of 27B live claims nearly all of GPU 0: a shadow of the same model cannot share it."""
+    """Live (balanced) claims nearly all of GPU 0: a shadow of the same model cannot share it."""
     target, draft = big_models
     made_state = lab.ssh(HOST, f"test -e {STATE}").returncode != 0
     if made_state:  # the canary compares against a recorded live service; a fresh lab has none yet
@@ -83,7 +83,9 @@ def test_canary_plans_the_shadow_inside_what_live_leaves(lab, big_models):
     try:
         before = snapshot(lab)
         started = time.monotonic()
+        # the shadow on live's own GPU (the lab puts shadows on GPU 1 otherwise)
         proc = lab.ansible_playbook("ansible/canary.yml", "-l", HOST, "-e", "canary_shadow_profile=shadow",
+                                    "-e", "canary_shadow_cuda_visible_devices=",
                                     "-e", f"sglang_model_path={target}",
                                     "-e", f"sglang_draft_model_path={draft}")
         took = time.monotonic() - started

@@ -41,7 +41,7 @@ def test_a_profile_that_does_not_fit_is_refused_with_the_plan_and_the_fix(models
     assert result.returncode != 0
     out = flat(result.stdout)
     assert "Profile balanced does not fit localhost's GPUs (inventory)" in out
-    assert "do not fit in the 47.4 GiB the GPU has" in out
+    assert "do not fit in the 46.8 GiB the GPU has" in out
     assert "Smallest change that fits: tp-size 1 -> 2" in out
     assert "Profiles that fit as they are: balanced-tp2" in out
     assert "Nothing on the host was changed" in out
