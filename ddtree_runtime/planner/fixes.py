@@ -66,12 +66,15 @@ def propose_changes(
             base_plan = replan(base)
             if base_plan is None:
                 continue
+            if base_plan.verdict.fits:  # the first moves are enough on their own
+                found.append(Change(dict(first_flags), first_text, base_plan))
+                continue
             for change in _singles(base, base_plan, replan):
                 flags = {**first_flags, **change.flags}
                 found.append(Change(flags, f"{first_text}, {change.summary}", change.plan))
-    unique: dict[str, Change] = {}
+    unique: dict[tuple, Change] = {}  # the same flags reached in another order are one change
     for change in found:
-        unique.setdefault(change.summary, change)
+        unique.setdefault(tuple(sorted(change.flags.items())), change)
     return list(unique.values())[:MAX_PROPOSALS]
 
 
