@@ -16,7 +16,7 @@ test: venv
 lint: venv
 	$(VENV)/bin/ruff check .
 
-venv: $(VENV)/.installed $(VENV)/.sglang-installed
+venv: $(VENV)/.installed $(VENV)/.sglang-installed $(VENV)/.sglang-cpu-lab-installed
 
 # torch==2.13.0 first: it is the CPU wheel on disk; an unpinned torch would pull GBs of CUDA wheels.
 $(VENV)/.installed: pyproject.toml
@@ -34,6 +34,16 @@ $(VENV)/.sglang-installed: $(VENV)/.installed requirements/sglang-test.txt
 	$(PIP) install -q --no-deps sglang==0.5.23
 	touch $@
 # --- end sglang test environment
+
+# --- the real SGLang server on CPU (issue 16): the lab-only compatibility layer and what the server
+# imports beyond the set above. It stays inert in this venv unless DDTREE_SGLANG_CPU_LAB=1.
+CPU_LAB := scripts/lab/sglang-cpu-lab
+$(VENV)/.sglang-cpu-lab-installed: $(VENV)/.sglang-installed $(CPU_LAB)/requirements.txt $(CPU_LAB)/pyproject.toml $(CPU_LAB)/setup.py $(wildcard $(CPU_LAB)/ddtree_sglang_cpu_lab/*.py)
+	$(PIP) install -q -r $(CPU_LAB)/requirements.txt
+	rm -rf $(VENV)/.cpu-lab-build && cp -r $(CPU_LAB) $(VENV)/.cpu-lab-build
+	$(PIP) install -q --no-deps --no-build-isolation $(VENV)/.cpu-lab-build && rm -rf $(VENV)/.cpu-lab-build
+	touch $@
+# --- end real SGLang server on CPU
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from ddtree_runtime.lab.hf_tokenizer import save_hf_tokenizer
 from ddtree_runtime.lab.language import LabLanguage
 from ddtree_runtime.lab.models import (
     DraftConfig,
@@ -198,6 +199,7 @@ def make_models(
 
         _write(out / "target", target, target_config.to_hf(eos_token_id=EOS_TOKEN_ID))
         tokenizer.save(out / "target")
+        save_hf_tokenizer(tokenizer, out / "target")  # what a real SGLang server loads
         _write(out / "draft", draft, DRAFT_CONFIG.to_hf())
         mismatched_cfg = MISMATCHED_DRAFT_CONFIG.to_hf()
         mismatched_cfg["num_target_layers"] = TARGET_CONFIG.num_hidden_layers

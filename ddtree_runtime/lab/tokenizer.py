@@ -80,14 +80,7 @@ class LabTokenizer:
         return "".join(parts) + "<|im_start|>assistant\n"
 
     def save(self, directory: Path) -> None:
-        """tokenizer_config.json + a vocab listing, so a model directory is self-describing."""
+        """A vocab listing, so a model directory is self-describing (``hf_tokenizer`` writes the same
+        tokenizer in Hugging Face's format beside it)."""
         vocab = {p.decode("latin-1"): i for i, p in enumerate(self.pieces)}
         (directory / "vocab.json").write_text(json.dumps(vocab, sort_keys=True) + "\n")
-        config = {
-            "tokenizer_class": "LabTokenizer",
-            "eos_token": SPECIAL_TOKENS[0],
-            "pad_token": SPECIAL_TOKENS[0],
-            "additional_special_tokens": list(SPECIAL_TOKENS[1:]),
-            "model_max_length": 32768,
-        }
-        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

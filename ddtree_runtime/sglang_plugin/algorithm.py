@@ -67,6 +67,18 @@ class DDTreeSpecAlgo(CustomSpecAlgo):
     def need_topk(self) -> bool:
         return False
 
+    def create_future_map(
+        self, device: Any, req_to_token_pool: Any, needs_cpu_seq_lens: bool = True,
+        needs_confidence_relay: bool = False,
+    ) -> Any:
+        # The overlap scheduler asks every algorithm for its FutureMap (Scheduler.init_overlap);
+        # 0.5.23's CustomSpecAlgo lacks the method, the enum's builds the DFlash family's map.
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        return SpeculativeAlgorithm.create_future_map(
+            self, device, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay
+        )
+
     def build_disagg_draft_input(self, batch, last_tokens_tensor, future_map):
         return None  # disaggregated serving is refused at start-up (gates.REFUSALS)
 

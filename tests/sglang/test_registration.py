@@ -102,3 +102,29 @@ def test_fresh_process_finds_ddtree_only_through_the_entry_point():
     assert "ALGO DDTreeSpecAlgo" in allowed.stdout, allowed.stderr[-2000:]
     skipped = _run_sglang_process("some_other_plugin")
     assert "ERROR Unknown speculative algorithm name: DDTREE" in skipped.stdout, skipped.stderr[-2000:]
+
+
+def test_ddtree_answers_every_instance_method_the_scheduler_may_call_on_an_algorithm(sglang_plugins):
+    """SGLang calls enum methods on whatever algorithm runs (e.g. ``create_future_map`` in
+    ``Scheduler.init_overlap``); 0.5.23's CustomSpecAlgo lacks some, which crashed the real scheduler."""
+    import inspect
+
+    algo = sglang_plugins.from_string("DDTREE")
+    enum_methods = {
+        name for name, member in vars(sglang_plugins).items()
+        if inspect.isfunction(member) and not name.startswith("_")
+    }  # fmt: skip
+    classmethods = {"from_string", "register", "get_platform_worker_cls"}
+    missing = sorted(m for m in enum_methods - classmethods if not callable(getattr(algo, m, None)))
+    assert missing == []
+
+
+def test_ddtree_builds_the_dflash_family_future_map(sglang_plugins):
+    from types import SimpleNamespace
+
+    import torch
+
+    algo = sglang_plugins.from_string("DDTREE")
+    pool = SimpleNamespace(req_to_token=torch.zeros(4, 8, dtype=torch.int32), size=4)
+    future_map = algo.create_future_map(torch.device("cpu"), pool, needs_cpu_seq_lens=False)
+    assert type(future_map).__name__ == "FutureMap"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import ddtree_runtime.lab as lab_pkg
 
-_SOURCES = ("make.py", "models.py", "gdn.py", "language.py", "tokenizer.py")
+_SOURCES = ("make.py", "models.py", "gdn.py", "language.py", "tokenizer.py", "hf_tokenizer.py")
 
 
 @cache

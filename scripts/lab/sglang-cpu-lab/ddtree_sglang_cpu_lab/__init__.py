@@ -1,0 +1,18 @@
+"""Lab only: what lets the unmodified SGLang 0.5.23 wheel serve the lab models on a CPU-only lab host.
+
+Never on a GPU host, never in a production release. It is its own distribution
+(``ddtree-sglang-cpu-lab``, built from ``scripts/lab/sglang-cpu-lab/``), installed into a release venv
+only when the lab inventory asks for it (``ddtree_runtime_lab_cpu_compat``), and it does nothing unless
+the process runs with ``DDTREE_SGLANG_CPU_LAB=1`` (the lab inventory puts that in the unit's env file).
+
+Loaded at interpreter start by ``ddtree_sglang_cpu_lab.pth`` (SGLang's scheduler, detokenizer and
+tokenizer processes are fresh interpreters: each loads it the same way). Every piece names the SGLang
+limitation it works around and the SGLang function it relies on (``seams.SEAMS``); the boot refuses to
+start when the installed SGLang is not the release those functions were read from, or when one of them
+changed (``seams.check``). ``docs/sglang-cpu-lab.md`` describes each piece.
+"""
+
+from __future__ import annotations
+
+ENV_FLAG = "DDTREE_SGLANG_CPU_LAB"
+PINNED_SGLANG_VERSION = "0.5.23"

@@ -1,0 +1,142 @@
+"""The SGLang code each work-around relies on, pinned by content.
+
+A work-around keys on SGLang 0.5.23's module and function names and on what those functions do. Each
+seam records the function's source digest as read when the work-around was written; ``moved()`` lists
+the seams whose source changed in the installed wheel, and a work-around refuses to patch a moved seam
+(``require``), so a new wheel fails loudly at start-up instead of serving on a stale patch.
+``tests/sglang/test_cpu_lab_seams.py`` checks every seam against the installed wheel.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+from ddtree_sglang_cpu_lab import PINNED_SGLANG_VERSION
+
+
+@dataclass(frozen=True)
+class Seam:
+    module: str
+    qualname: str
+    digest: str  # sha256 of the source (trailing whitespace stripped), first 16 hex digits
+    limitation: str  # the SGLang limitation the work-around answers
+    workaround: str  # the module of this package that relies on it
+
+    @property
+    def where(self) -> str:
+        return f"{self.module}.{self.qualname}"
+
+
+class SeamMoved(RuntimeError):
+    pass
+
+
+def source_digest(obj: Any) -> str:
+    source = inspect.getsource(inspect.unwrap(obj))
+    normalized = "\n".join(line.rstrip() for line in source.splitlines())
+    return hashlib.sha256(normalized.encode()).hexdigest()[:16]
+
+
+SEAMS: tuple[Seam, ...] = (
+    Seam("sglang.kernels.ops.kvcache.cache_move", "copy_all_layer_kv_cache_func", "d9fbb4b3a29b2b9d",
+         "CPU mode calls sgl_kernel.copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt, src)",
+         "sgl_kernel_standin"),
+    Seam("sglang.srt.mem_cache.allocation", "assign_req_to_token_pool_func", "598fab3dd718a36d",
+         "CPU mode calls sgl_kernel.assign_req_to_token_pool_cpu(req, req_to_token, start, end, loc, "
+         "pool_len)",
+         "sgl_kernel_standin"),
+    Seam("sglang.kernels.ops.speculative.cache_locs", "assign_extend_cache_locs_func", "3e1426eb94697423",
+         "CPU mode calls sgl_kernel.assign_extend_cache_locs_cpu(req, req_to_token, start, end, out, "
+         "pool_len)",
+         "sgl_kernel_standin"),
+    Seam("sglang.kernels.ops.speculative.cache_locs", "fill_front_out_cache_loc_func", "6158d6e69f1d9406",
+         "CPU mode calls sgl_kernel.assign_extend_cache_locs_cpu to pack each window's front",
+         "sgl_kernel_standin"),
+    Seam("sglang.srt.arg_groups.speculative_hook", "_handle_dflash", "61143f903a1baeae",
+         "DFLASH is refused on an in-tree platform other than cuda/npu/xpu (the CPU platform)",
+         "dflash_on_cpu"),
+    Seam("sglang.srt.arg_groups.speculative_hook", "_resolve_dflash_draft_attention_backend",
+         "f71323e34176d56a",
+         "the DFLASH draft backend must be one the platform supports; the CPU platform names none",
+         "dflash_on_cpu"),
+    Seam("sglang.srt.speculative.dflash_worker_v2", "DFlashWorkerV2.forward_batch_generation",
+         "25e27378abd4541c",
+         "record_stream with the CPU device module's stream ('unknown parameter type')",
+         "dflash_on_cpu"),
+    Seam("sglang.srt.layers.attention.torch_native_backend", "TorchNativeAttnBackend.forward_extend",
+         "20ccf37226af9ec8",
+         "torch_native cannot run TARGET_VERIFY batches (no extend lens, no custom mask)",
+         "verify_attention"),
+    Seam("sglang.srt.layers.attention.triton_backend", "TritonAttnBackend.init_forward_metadata",
+         "89506ac4b4bb59ec",
+         "what a TARGET_VERIFY batch attends to (prefix from seq_lens, custom_mask [n, prefix + n] per "
+         "request, else the layer's causality): the semantics verify_attention reproduces",
+         "verify_attention"),
+    Seam("sglang.srt.speculative.draft_worker_common", "make_draft_block_spec_info", "dd58254a250e1686",
+         "the DFlash drafter's block pass carries no custom mask (non-causal ENCODER_ONLY layers)",
+         "verify_attention"),
+    Seam("sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state",
+         "_resolve_dflash_aux_hidden_state", "9d5b7bdb60be6061",
+         "hidden-state capture is decided by is_dflash_family() (the capture_predicate fault switch)",
+         "faults"),
+    Seam("sglang.srt.model_executor.model_runner", "ModelRunner.forward", "dbb8b4493815aed9",
+         "the target forward takes its capture mode from the forward batch (the hidden_none fault switch)",
+         "faults"),
+)
+
+
+def resolve(seam: Seam) -> Any:
+    obj: Any = importlib.import_module(seam.module)
+    for part in seam.qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def seam_named(module: str, qualname: str) -> Seam:
+    for seam in SEAMS:
+        if seam.module == module and seam.qualname == qualname:
+            return seam
+    raise KeyError(f"{module}.{qualname} is not a registered seam")
+
+
+def moved_message(seam: Seam, digest: str) -> str:
+    return (
+        f"ddtree-sglang-cpu-lab: SGLang's {seam.where} is not the code the work-around "
+        f"'{seam.workaround}' was written against (source digest {digest}, expected {seam.digest}; "
+        f"it works around: {seam.limitation}). Re-read it in the installed wheel, adjust "
+        f"ddtree_sglang_cpu_lab/{seam.workaround}.py and the digest in seams.py."
+    )
+
+
+def require(owner: Any, module: str, qualname: str) -> None:
+    """Called by a work-around on the module it is about to patch: raise SeamMoved if the seam moved.
+    ``owner`` is the already-imported module holding the seam (no import happens here)."""
+    seam = seam_named(module, qualname)
+    obj = owner
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    digest = source_digest(obj)
+    if digest != seam.digest:
+        raise SeamMoved(moved_message(seam, digest))
+
+
+def moved() -> list[tuple[Seam, str]]:
+    """Every seam whose source differs in the installed wheel, with its digest there."""
+    out = []
+    for seam in SEAMS:
+        digest = source_digest(resolve(seam))
+        if digest != seam.digest:
+            out.append((seam, digest))
+    return out
+
+
+def check_version(version: str) -> None:
+    if version != PINNED_SGLANG_VERSION:
+        raise SeamMoved(
+            f"ddtree-sglang-cpu-lab was written against sglang=={PINNED_SGLANG_VERSION}; this venv has "
+            f"sglang {version}. Re-read every seam in seams.py against it before using it on a lab host."
+        )

@@ -1,0 +1,175 @@
+"""DDTREE inside the real SGLang 0.5.23 server, on this CPU, with the lab's tiny dense pair.
+
+The server is launched as lab host ct131's unit launches it (`_real_server`: the balanced profile's
+flags, ct131's CPU flags and environment, the lab-only CPU layer). In order, one server at a time:
+
+1. the same server without speculation: the greedy reference for every prompt;
+2. DDTREE (budget 16: trees, not chains): the plugin's worker in SGLang's scheduler, tree-masked
+   verify, walk, KV commit, drafter context by node index; token-identical to (1) for a batch and
+   for requests joining a running batch; the handshake in /server_info and /metrics; the live probe;
+3. DDTREE on a pair made to agree (`_agreeing_pair`): every round accepts its tree's whole depth.
+
+Each scenario prints one JSON line with its figures (seconds, acceptance).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.sglang._real_server import RealServer, profile_argv
+from tests.unit._lab import lab_models
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+
+# The probe's built-in prompts (bytes for the lab tokenizer) and the lab language, plain and chat.
+PROMPTS = [
+    "The capital of France is",
+    "the cat sees",
+    "a dog finds the",
+    "the river and the stone",
+    "<|im_start|>user\nthe old fox watches<|im_end|>\n<|im_start|>assistant\n",
+    "the small bird sings while the wind",
+]
+NEW_TOKENS = 48
+BUDGET = int(profile_argv("balanced")[profile_argv("balanced").index("--speculative-ddtree-budget") + 1])
+
+
+def report(scenario: str, **figures: object) -> None:
+    print(json.dumps({"scenario": scenario, **figures}))
+
+
+def figures_of(answers: list[dict]) -> dict[str, float]:
+    tokens = sum(a["meta_info"]["completion_tokens"] for a in answers)
+    verify = sum(a["meta_info"]["spec_verify_ct"] for a in answers)
+    return {"completion_tokens": tokens, "verify_steps": verify, "accept_length": round(tokens / verify, 3)}
+
+
+@pytest.fixture(scope="module")
+def models() -> Path:
+    return lab_models()
+
+
+@pytest.fixture(scope="module")
+def reference(models: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
+    """Greedy output ids of the same server without speculation (one request at a time)."""
+    with RealServer(models / "target", None, log_dir=tmp_path_factory.mktemp("plain")) as server:
+        ready = server.wait_ready()
+        started = time.monotonic()
+        out = {p: server.generate(p, 2 * NEW_TOKENS)["output_ids"] for p in PROMPTS}
+        report("plain_reference", ready_seconds=ready, generate_seconds=round(time.monotonic() - started, 1))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ddtree(models: Path, reference: dict, tmp_path_factory: pytest.TempPathFactory):
+    server = RealServer(models / "target", models / "draft", log_dir=tmp_path_factory.mktemp("ddtree"))
+    try:
+        report("ddtree_start", ready_seconds=server.wait_ready(), budget=BUDGET)
+        yield server
+    finally:
+        server.stop()
+
+
+def test_batched_greedy_tree_decode_is_token_identical_to_the_plain_server(ddtree, reference):
+    started = time.monotonic()
+    answers = ddtree.generate(PROMPTS, NEW_TOKENS)
+    for prompt, answer in zip(PROMPTS, answers, strict=True):
+        assert answer["output_ids"] == reference[prompt][:NEW_TOKENS], prompt
+    figures = figures_of(answers)
+    assert figures["accept_length"] > 2.0, figures  # trees do get accepted, not only the bonus token
+    report("ddtree_batch_greedy", seconds=round(time.monotonic() - started, 1), **figures)
+
+
+def test_requests_joining_a_running_batch_are_token_identical(ddtree, reference):
+    """A long request decodes while the others arrive one by one, each joining the running batch."""
+    long_prompt, *others = PROMPTS
+    results: dict[str, dict] = {}
+    errors: list[BaseException] = []
+
+    def run(prompt: str, tokens: int) -> None:
+        try:
+            results[prompt] = ddtree.generate(prompt, tokens)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(long_prompt, 2 * NEW_TOKENS))]
+    threads[0].start()
+    for prompt in others:
+        time.sleep(0.4)
+        threads.append(threading.Thread(target=run, args=(prompt, NEW_TOKENS)))
+        threads[-1].start()
+    for t in threads:
+        t.join(600)
+    assert not errors, errors
+    assert results[long_prompt]["output_ids"] == reference[long_prompt]
+    for prompt in others:
+        assert results[prompt]["output_ids"] == reference[prompt][:NEW_TOKENS], prompt
+    report("ddtree_joining_batch", requests=len(results), **figures_of(list(results.values())))
+
+
+def test_server_info_and_metrics_carry_the_handshake(ddtree):
+    status, info = ddtree.request("/server_info")
+    assert status == 200
+    hs = info["ddtree_handshake"]
+    assert info["speculative_algorithm"] == "DDTREE" and info["speculative_ddtree_budget"] == BUDGET
+    assert info["disable_overlap_schedule"] is True  # a tree is synchronous with its verify
+    assert hs["status"] == "ok", hs
+    assert hs["expected_hidden_width"] == hs["observed_hidden_width"] == hs["draft_fc_in_features"] == 128
+    metrics = ddtree.metrics()
+    gauges = {line.split("{")[0].split(" ")[0]: float(line.rsplit(" ", 1)[1])
+              for line in metrics.splitlines() if line.startswith("sglang:") and " " in line}
+    assert gauges["sglang:ddtree_expected_hidden_width"] == 128
+    assert gauges["sglang:ddtree_observed_hidden_width"] == 128
+    assert gauges["sglang:ddtree_budget"] == BUDGET
+    assert gauges["sglang:spec_accept_length"] > 1.0
+
+
+def test_live_probe_passes_with_the_handshake(ddtree):
+    from ddtree_runtime.probe import live_probe
+
+    probe = live_probe(ddtree.url, timeout=60, min_accept_length=1.2,
+                       expect={"speculative_ddtree_budget": str(BUDGET)})
+    assert probe.ok, probe.to_dict()
+    assert probe.handshake["status"] == "ok"
+    report("live_probe", handshake=probe.handshake["status"],
+           expected_hidden_width=probe.figures["expected_hidden_width"],
+           observed_hidden_width=probe.figures["observed_hidden_width"],
+           accept_length=probe.figures["accept_length"])
+
+
+def test_sampling_and_chat_answer(ddtree):
+    answer = ddtree.generate("the cat sees", 24, temperature=0.8, top_p=0.9)
+    assert answer["meta_info"]["completion_tokens"] == 24
+    status, chat = ddtree.request("/v1/chat/completions", {
+        "model": "default", "max_tokens": 16, "temperature": 0,
+        "messages": [{"role": "user", "content": "the old fox watches"}],
+    })  # fmt: skip
+    assert status == 200, chat
+    assert chat["choices"][0]["message"]["content"].strip()
+
+
+def test_a_drafter_that_agrees_gets_whole_trees_accepted(models, tmp_path_factory, ddtree):
+    from ddtree_runtime.lab.tokenizer import LabTokenizer
+
+    ddtree.stop()  # one real server at a time
+    word = LabTokenizer().token_id(" cat")
+    from tests.sglang._agreeing_pair import write_agreeing_pair
+
+    root = tmp_path_factory.mktemp("agree")
+    target, draft = write_agreeing_pair(models, root / "models", word)
+    with RealServer(target, draft, log_dir=root) as server:
+        ready = server.wait_ready()
+        depth = int(json.loads((draft / "config.json").read_text())["block_size"]) - 1
+        # The prefill emits the first token; then every verify step must emit the tree's whole depth
+        # plus the bonus token.
+        answers = server.generate(PROMPTS[:3], 1 + 3 * (depth + 1))
+        for answer in answers:
+            assert set(answer["output_ids"]) == {word}
+            assert answer["meta_info"]["spec_verify_ct"] == 3, answer["meta_info"]
+        figures = figures_of(answers)
+    report("agreeing_pair", ready_seconds=ready, tree_depth=depth, **figures)
