@@ -26,7 +26,8 @@ def test_ids_and_text_match_the_lab_tokenizer(pair):
     lang = LabLanguage(lab, seed=3)
     rng = random.Random(0)
     texts = ["the cat sees the dog.", "théâtre  caté the..", "The capital of France is", " the\n\tend"]
-    texts += [lab.decode(lang.sample(40, rng, chat=i % 3 == 0), skip_special_tokens=False) for i in range(150)]
+    samples = [lang.sample(40, rng, chat=i % 3 == 0) for i in range(150)]
+    texts += [lab.decode(ids, skip_special_tokens=False) for ids in samples]
     for text in texts:
         ids = hf(text, add_special_tokens=False)["input_ids"]
         assert ids == lab.encode(text), text
