@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ddtree_runtime import __version__
 from ddtree_runtime.sglang_plugin.algorithm import resolved_settings
 from ddtree_runtime.sglang_plugin.handshake import static_handshake
 
@@ -27,6 +28,7 @@ def add_to_server_info(result: dict[str, Any], server_args: Any, *args: Any, **k
     settings = resolved_settings(server_args)
     if settings is None:
         return result
+    result["ddtree_runtime_version"] = __version__  # which build serves (the canary compares it)
     result["speculative_ddtree_budget"] = settings["budget"]
     result["speculative_ddtree_topk_cap"] = settings["topk_cap"]
     result["speculative_ddtree_allow_hybrid"] = settings["allow_hybrid"]

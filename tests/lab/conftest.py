@@ -1,6 +1,6 @@
 """Session fixtures for `@pytest.mark.lab` tests: real systemd-nspawn hosts reached over SSH.
 
-`lab` brings a lab up once per session (name from DDTREE_LAB_NAME, default "test"; 2 hosts) with the
+`lab` brings a lab up once per session (name from DDTREE_LAB_NAME, default "test"; 3 hosts) with the
 real `ddtree lab up` command and takes it down at the end, unless DDTREE_LAB_KEEP=1 or another live
 test session is still using the same lab (sessions that share a checkout register under .lab/.users/).
 Without root or systemd-nspawn the lab tests skip, except under CI=true, where they must run.
@@ -22,7 +22,11 @@ from ddtree_runtime.ops.lab_spec import Lab, lab_dir, repo_root
 
 REPO = repo_root()
 BIN = Path(sys.executable).parent
-LAB_HOSTS = 2
+LAB_HOSTS = 3
+# ct131 runs the real SGLang server on CPU (inventories/lab/host_vars/ct131.yml): slow to start, so the
+# lab-engine scenarios use the other hosts (LabHandle.lab_engine_hosts) and tests/lab/test_real_sglang_lab.py
+# deploys it.
+REAL_SGLANG_HOST = "ct131"
 
 
 def ddtree(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
@@ -72,6 +76,11 @@ class LabHandle:
     @property
     def hosts(self) -> list[str]:
         return [h.name for h in self.spec.hosts]
+
+    @property
+    def lab_engine_hosts(self) -> list[str]:
+        """The hosts that run the lab engine (every host but the real-SGLang one)."""
+        return [h for h in self.hosts if h != REAL_SGLANG_HOST]
 
     @property
     def addresses(self) -> dict[str, str]:

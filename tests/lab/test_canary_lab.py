@@ -103,22 +103,25 @@ def world(lab: LabHandle, wheelhouse: Path, tmp_path_factory) -> dict:
     a, version_a = _freeze(tmp_path_factory.mktemp("build-a"))
     b, version_b = _freeze(tmp_path_factory.mktemp("build-b"), version_a + "+canary.b")
     deploy = lab.ansible_playbook(
-        "deploy.yml", "-l", ",".join(lab.hosts), "-e", f"ddtree_runtime_source_dir={a}"
+        "deploy.yml", "-l", ",".join(lab.lab_engine_hosts), "-e", f"ddtree_runtime_source_dir={a}"
     )
     assert deploy.returncode == 0, deploy.stdout[-5000:]
-    ids = {"a": _release_of(lab, lab.hosts[0]), "b": _build_id(b)}
+    ids = {"a": _release_of(lab, lab.lab_engine_hosts[0]), "b": _build_id(b)}
     assert ids["a"] != ids["b"]
-    for host in lab.hosts:
+    for host in lab.lab_engine_hosts:
         assert _release_of(lab, host) == ids["a"]
         # A leftover of an earlier session on a kept lab would blur "never touched".
         lab.ssh(host, f"rm -rf /opt/ddtree/releases/{ids['b']} /var/lib/ddtree/canary")
-    before = {host: {p: lab.ssh(host, f"cat {p}").stdout for p in LIVE_FILES[:2]} for host in lab.hosts}
+    before = {
+        host: {p: lab.ssh(host, f"cat {p}").stdout for p in LIVE_FILES[:2]} for host in lab.lab_engine_hosts
+    }
     return {"b": b, "ids": ids, "version": version_b, "version_a": version_a, "unit_a": before}
 
 
 def _canary(lab: LabHandle, world: dict, *extra: str):
     return lab.ansible_playbook(
-        CANARY, "-l", ",".join(lab.hosts), "-e", f"ddtree_runtime_source_dir={world['b']}", *COMMON, *extra
+        CANARY, "-l", ",".join(lab.lab_engine_hosts), "-e", f"ddtree_runtime_source_dir={world['b']}",
+        *COMMON, *extra,
     )
 
 
@@ -149,8 +152,8 @@ FAULTS = {
 
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_a_faulty_build_aborts_on_the_canary_host_and_the_second_is_never_touched(lab, world, fault):
-    canary_host, second = lab.hosts
-    before = {host: fingerprint(lab, host) for host in lab.hosts}
+    canary_host, second = lab.lab_engine_hosts
+    before = {host: fingerprint(lab, host) for host in lab.lab_engine_hosts}
     extra, cause = FAULTS[fault]
     run = _canary(lab, world, "-e", json.dumps(extra))
     out = run.stdout
@@ -161,7 +164,7 @@ def test_a_faulty_build_aborts_on_the_canary_host_and_the_second_is_never_touche
     # ct130 never got past the preflight: the second serial batch did not start.
     batches = out.split("PLAY [Canary the new build beside live")[1:]
     assert len(batches) == 1 and f"[{second}]" not in batches[0]
-    for host in lab.hosts:
+    for host in lab.lab_engine_hosts:
         assert fingerprint(lab, host) == before[host], f"live changed on {host}"
         assert not _exists(lab, host, "/etc/systemd/system/sglang-qwen-shadow.service")
         assert not _exists(lab, host, "/etc/sglang/sglang-qwen-shadow.env")
@@ -180,21 +183,21 @@ def test_a_faulty_build_aborts_on_the_canary_host_and_the_second_is_never_touche
 
 
 def test_the_shadow_profile_must_be_a_shadow_one_checked_before_any_change(lab, world):
-    before = {host: fingerprint(lab, host) for host in lab.hosts}
+    before = {host: fingerprint(lab, host) for host in lab.lab_engine_hosts}
     run = _canary(lab, world, "-e", "canary_shadow_profile=balanced")
     assert run.returncode != 0
     # The role's argument spec refuses it first (its preflight assert says the same).
     valid = "shadow, shadow-small, shadow-small-nograph"
     assert f"sglang_canary_shadow_profile must be one of: {valid}, got: balanced" in run.stdout
     assert "Canary the new build beside live" not in run.stdout
-    assert {host: fingerprint(lab, host) for host in lab.hosts} == before
+    assert {host: fingerprint(lab, host) for host in lab.lab_engine_hosts} == before
 
 
 def test_a_good_build_promotes_on_the_canary_host_then_the_second(lab, world):
     run = _canary(lab, world)
     out = run.stdout
     assert run.returncode == 0, out[-6000:]
-    first, second = lab.hosts
+    first, second = lab.lab_engine_hosts
     # serial [1, "100%"]: two batches, the canary host alone (its whole canary), then the rest.
     batches = out.split("PLAY [Canary the new build beside live")[1:]
     assert len(batches) == 2, out[-3000:]
@@ -203,7 +206,7 @@ def test_a_good_build_promotes_on_the_canary_host_then_the_second(lab, world):
     tasks_second = batches[1].split("PLAY RECAP")[0]
     assert f"[{second}]" in tasks_second and f"[{first}]" not in tasks_second
     assert out.count("canary PROMOTE") == 2
-    for host in lab.hosts:
+    for host in lab.lab_engine_hosts:
         state = _json(lab, host, LIVE_FILES[2])
         assert (state["release"], state["previous_release"]) == (world["ids"]["b"], world["ids"]["a"])
         assert state["profile"] == "balanced"
@@ -227,7 +230,7 @@ def test_a_good_build_promotes_on_the_canary_host_then_the_second(lab, world):
 
 
 def test_rollback_restores_the_previous_build(lab, world):
-    host, other = lab.hosts
+    host, other = lab.lab_engine_hosts
     other_before = fingerprint(lab, other)
     run = lab.ansible_playbook(ROLLBACK, "-l", host)
     assert run.returncode == 0, run.stdout[-5000:]

@@ -17,7 +17,7 @@ REPO = repo_root()
 
 def test_default_lab_inventory_matches_what_up_makes() -> None:
     static = yaml.safe_load((REPO / "inventories/lab/hosts.yml").read_text())["all"]
-    made = Lab(DEFAULT_NAME, 2).inventory_data()["all"]
+    made = Lab(DEFAULT_NAME, 3).inventory_data()["all"]
     assert static["children"] == made["children"]
     assert static["children"]["gpu_hosts"]["hosts"]["ct129"]["ansible_host"] == "10.213.0.129"
     for key in ("ansible_user", "ansible_python_interpreter", "ddtree_lab_name"):

@@ -49,7 +49,7 @@ def profile_argv(profile: str, *, speculative: bool = True) -> list[str]:
 
 
 def cpu_argv() -> list[str]:
-    return [part for flag in host_vars()["sglang_service_extra_flags"] for part in flag.split()]
+    return [part for flag in host_vars()["sglang_extra_flags"] for part in flag.split()]
 
 
 def cpu_env() -> dict[str, str]:

@@ -30,6 +30,9 @@ def test_server_info_carries_flags_and_the_launch_handshake(sglang_plugins, pair
     assert info["speculative_dflash_block_size"] == 16
     assert info["speculative_ddtree_budget"] == 16
     assert info["speculative_ddtree_topk_cap"] is None
+    from ddtree_runtime import __version__
+
+    assert info["ddtree_runtime_version"] == __version__  # which build serves (the canary compares it)
     hs = info["ddtree_handshake"]
     assert set(hs) == HANDSHAKE_KEYS
     assert hs["algorithm"] == "DDTREE" and hs["budget"] == 16 and hs["block_size"] == 16

@@ -1,0 +1,73 @@
+"""The lab's SGLang-on-CPU layer (scripts/lab/sglang-cpu-lab/) never reaches a production release.
+
+A production release is what the runtime role builds without ``ddtree_runtime_lab_cpu_compat``: the
+ddtree-runtime wheel alone. The layer is a distribution of its own, only a lab inventory turns it on,
+the role refuses it on a host outside a lab, and nothing in ddtree_runtime refers to it.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from tests.unit._ansible import BIN, PLAYBOOKS, REPO, playbook, tool_env
+
+BUILD = REPO / "roles/ddtree_runtime/files/build_release.py"
+LAYER = REPO / "scripts/lab/sglang-cpu-lab"
+MARKERS = ("ddtree_sglang_cpu_lab", "sgl_kernel", ".pth")
+
+
+def build(out: Path, *extra: str) -> dict:
+    cmd = [sys.executable, str(BUILD), "--source", str(REPO), "--out", str(out), "--pin=sglang==0.5.23"]
+    cmd += extra
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def names(wheel: str) -> list[str]:
+    with zipfile.ZipFile(wheel) as archive:
+        return archive.namelist()
+
+
+def test_a_production_release_holds_none_of_the_layer_and_a_lab_one_is_another_release(tmp_path):
+    production = build(tmp_path / "prod")
+    assert production["extra_wheels"] == []
+    files = names(production["wheel"])
+    assert any(f.startswith("ddtree_runtime/sglang_plugin/") for f in files)
+    assert [f for f in files if any(m in f for m in MARKERS)] == []
+
+    lab = build(tmp_path / "lab", f"--extra-project={LAYER}")
+    (layer,) = lab["extra_wheels"]
+    assert "ddtree_sglang_cpu_lab.pth" in names(layer["wheel"])
+    assert lab["wheel_sha256"] == production["wheel_sha256"]  # the same ddtree-runtime wheel ...
+    assert lab["release_id"] != production["release_id"]  # ... in a release named apart
+
+
+def test_ddtree_runtime_never_refers_to_the_layer():
+    hits = [str(p.relative_to(REPO)) for p in (REPO / "ddtree_runtime").rglob("*.py")
+            if "ddtree_sglang_cpu_lab" in p.read_text()]  # fmt: skip
+    assert hits == []
+
+
+def test_no_production_host_turns_the_layer_on():
+    cmd = [str(BIN / "ansible-inventory"), "-i", str(REPO / "inventories/production"), "--list"]
+    inventory = json.loads(subprocess.run(cmd, cwd=REPO, env=tool_env(), capture_output=True, text=True,
+                                          timeout=120, check=True).stdout)  # fmt: skip
+    hostvars = inventory["_meta"]["hostvars"]
+    assert hostvars, "the production inventory lists no hosts?"
+    for host, hv in hostvars.items():
+        assert not hv.get("ddtree_runtime_lab_cpu_compat", False), host
+        env = {**hv.get("sglang_service_engine_env", {}), **hv.get("sglang_extra_env", {})}
+        assert "DDTREE_SGLANG_CPU_LAB" not in env, host
+        assert hv.get("sglang_service_engine", "sglang") == "sglang", host
+
+
+def test_the_role_refuses_the_layer_on_a_host_outside_a_lab():
+    result = playbook(PLAYBOOKS / "preflight.yml", "-e", f"ddtree_runtime_source_dir={REPO}",
+                      "-e", "ddtree_runtime_lab_cpu_compat=true")  # fmt: skip
+    assert result.returncode != 0
+    assert "is a lab-only layer" in " ".join(result.stdout.split()), result.stdout[-3000:]
