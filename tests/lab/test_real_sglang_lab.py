@@ -175,8 +175,8 @@ def test_rollback_restores_build_a(world):
 
 # The field failure, in SGLang's own code (ddtree_sglang_cpu_lab.faults): the cause the rollout must name.
 FIELD_FAILURES = {
-    "capture_predicate": ("hidden_width_mismatch", ("[N, 128]", "[N, 64]")),
-    "hidden_none": ("hidden_states_missing", ("[N, 128]", "got None")),
+    "capture_predicate": ("hidden_width_mismatch", "(expected width 128, got 64)"),
+    "hidden_none": ("hidden_states_missing", ""),
 }
 
 
@@ -184,15 +184,13 @@ FIELD_FAILURES = {
 def test_the_field_failure_fails_the_rollout_and_rolls_back_byte_identical(world, fault):
     host: Host = world["host"]
     before = host.fingerprint()
-    cause, widths = FIELD_FAILURES[fault]
+    cause, numbers = FIELD_FAILURES[fault]
     fault_env = json.dumps({"sglang_extra_env": {"DDTREE_LAB_FAULT": fault}})
     out, rc, took = host.play("deploy.yml", world["a"], "-e", fault_env)
     assert rc != 0
     message = final_message(out)
-    assert cause in message, message
+    assert cause in message and numbers in message, message
     assert "Rolled back to the previous unit, env file and release" in message, message
-    for text in widths:
-        assert text in out, f"{text} not in the play's output"
     assert host.fingerprint() == before, "unit/env/runtime differ after the rollback"
     assert host.ssh(f"systemctl is-active {UNIT}").strip() == "active"
     assert host.generate("the cat", 8)["text"].strip()

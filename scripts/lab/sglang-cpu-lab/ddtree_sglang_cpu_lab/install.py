@@ -17,6 +17,7 @@ def install_all() -> None:
         return
     from ddtree_sglang_cpu_lab import (
         dflash_on_cpu,
+        drafter_rope,
         faults,
         seams,
         sgl_kernel_standin,
@@ -35,5 +36,6 @@ def install_all() -> None:
     sgl_kernel_standin.install()
     dflash_on_cpu.install()
     verify_attention.install()
+    drafter_rope.install()
     faults.install()
     _installed = True
