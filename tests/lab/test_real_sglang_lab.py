@@ -72,11 +72,13 @@ class Host:
         return proc.stdout, proc.returncode, round(time.monotonic() - started, 1)
 
     def fingerprint(self) -> dict[str, str]:
-        """Unit and env file by content, every file of the release the unit runs, the main process."""
+        """Unit and env file by content; the release the unit runs by every file's name, size and mtime
+        plus its small files' contents (as tests/lab/test_deploy_rollout.py does: no 2 GB hash)."""
         release = self.json(STATE)["release_dir"]
         out = self.ssh(
-            f"sha256sum {' '.join(LIVE_FILES)} {release}/release.json; "
-            f"cd {release} && find . -type f -print0 | sort -z | xargs -0 sha256sum | sha256sum"
+            f"sha256sum {' '.join(LIVE_FILES)}; cd {release} && "
+            "{ find . -type f -printf '%P %s %T@\\n' | sort; "
+            "sha256sum release.json pyvenv.cfg bin/*; } | sha256sum"
         )
         return {"release": release, "sums": out}
 
