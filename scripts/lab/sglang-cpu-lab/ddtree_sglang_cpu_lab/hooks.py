@@ -34,6 +34,9 @@ class _RunAfter(importlib.abc.Loader):
         self._loader = loader
         self._name = name
 
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._loader, name)  # get_source, get_resource_reader, ... of the real loader
+
     def create_module(self, spec):  # type: ignore[no-untyped-def]
         return self._loader.create_module(spec)
 
