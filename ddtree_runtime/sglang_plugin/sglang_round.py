@@ -2,9 +2,11 @@
 the target's tree-masked verify pass, built the way ``DFlashWorkerV2.forward_batch_generation``
 builds its own (0.5.23), with the tree's width, mask and positions.
 
-Not run here: SGLang's CUDA wheels are on none of our machines, so this adapter has not executed
-against a live ``ModelRunner``. Everything it hands to (tree, walk, commit, gather) is tested on
-CPU with SGLang's real pools (tests/sglang/test_tree_decode.py).
+Run for real in SGLang 0.5.23's own scheduler on CPU (tests/sglang/test_real_server.py, lab host
+ct131): trees token-identical to the server without speculation, batched and with requests joining a
+running batch. The GPU attention backends and CUDA graphs are not on our machines; the CPU run uses
+the lab's torch_native tree verify (docs/sglang-cpu-lab.md). Everything it hands to (tree, walk,
+commit, gather) is also tested on CPU with SGLang's real pools (tests/sglang/test_tree_decode.py).
 """
 
 from __future__ import annotations
