@@ -60,3 +60,21 @@ def test_not_a_checkout_is_refused(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode != 0
     assert "no pyproject.toml" in result.stderr
+
+
+def test_a_build_is_remembered_until_a_source_or_its_wheel_changes(checkout, tmp_path):
+    out = tmp_path / "out"
+    first = build(checkout, out, "sglang==0.5.23")
+    wheel = Path(first["wheel"])
+    stamp = wheel.stat().st_mtime_ns
+    # Same sources: the earlier result, and the wheel is not rebuilt or rewritten.
+    assert build(checkout, out, "sglang==0.5.23") == first
+    assert wheel.stat().st_mtime_ns == stamp
+    assert len(list((out / ".built").glob("*.json"))) == 1
+    # A wheel that changed on disk is not trusted: built again, same content, same id.
+    wheel.write_bytes(b"not a wheel")
+    again = build(checkout, out, "sglang==0.5.23")
+    assert again["release_id"] == first["release_id"] and again["wheel_sha256"] == first["wheel_sha256"]
+    # A changed source (even one that keeps its size) is a new build.
+    (checkout / "ddtree_runtime/__init__.py").write_text("VALUE = 3\n")
+    assert build(checkout, out, "sglang==0.5.23")["release_id"] != first["release_id"]
