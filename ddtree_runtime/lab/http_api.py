@@ -4,7 +4,8 @@ Hostile or careless clients get what SGLang 0.5.23 gives them, an HTTP answer an
 serving: a 400 for a body that breaks its JSON contract (sglang.api.v1's types: `top_k` 2.5 is
 "invalid type: floating point `2.5`, expected i64") or its sampling checks (SamplingParams.verify:
 temperature NaN, top_p 0, ...), a 413 for an oversized body, a 408 for a client that stalls
-mid-body. Temperatures below 1e-6 are greedy, as in SGLang. The module knows the server only through
+mid-body. A request without a temperature samples at 1.0 and one below 1e-6 is greedy, as in SGLang.
+The module knows the server only through
 :class:`LabService`, so it imports nothing of server.py (which imports it).
 """
 
@@ -29,6 +30,7 @@ HEALTH_CHECK_TIMEOUT_S = 20  # SGLANG_HEALTH_CHECK_TIMEOUT's default
 MAX_BODY_BYTES = 64 * 1024 * 1024  # a request body beyond this is refused (413) before it is read
 CLIENT_TIMEOUT_S = 60.0  # a client silent this long mid-request (or idle on keep-alive) is dropped
 SAMPLING_EPS = 1e-6  # SGLang's _SAMPLING_EPS: a lower temperature means greedy
+DEFAULT_TEMPERATURE = 1.0  # SGLang's SamplingParams default: a request without one samples
 TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary"
 
 
@@ -154,6 +156,7 @@ def sampling_params(raw: Any, vocab_size: int) -> dict:
         if value is not None and (error := _contract_error(kind, value)):
             raise BadRequest(error, contract=True)
     sp = {k: v for k, v in raw.items() if v is not None}  # null = the default, as in SGLang
+    sp.setdefault("temperature", DEFAULT_TEMPERATURE)  # SGLang samples unless asked for greedy
     temperature, top_k = sp.get("temperature"), sp.get("top_k")
     if temperature is not None and 0 <= temperature < SAMPLING_EPS:
         sp["temperature"], temperature = 0.0, 0.0  # greedy: SGLang sets top_k = 1
@@ -315,7 +318,7 @@ def parse_openai(body: dict, lab: LabService, *, chat: bool) -> tuple[list[int],
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     raw = {
         "max_new_tokens": 128 if max_tokens is None else max_tokens,
-        "temperature": 1.0 if body.get("temperature") is None else body["temperature"],
+        "temperature": body.get("temperature"),
         "top_p": body.get("top_p"),
         "top_k": body.get("top_k"),
         "ignore_eos": body.get("ignore_eos"),

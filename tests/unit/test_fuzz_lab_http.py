@@ -271,7 +271,7 @@ def test_sigterm_drains_despite_a_client_stalled_mid_body(server: LabServerProce
     stalled = socket.create_connection(("127.0.0.1", server.port), timeout=30)
     stalled.sendall(b'POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n{"text": "the')
     got: dict = {}
-    long = json.dumps({"text": PROMPT, "sampling_params": {"max_new_tokens": 120}}).encode()
+    long = json.dumps({"text": PROMPT, "sampling_params": {"temperature": 0, "max_new_tokens": 120}}).encode()
     t = threading.Thread(target=lambda: got.update(answer=exchange(server.port, post("/generate", long))))
     before = server.log.count("Prefill batch")
     t.start()
@@ -289,3 +289,16 @@ def test_sigterm_drains_despite_a_client_stalled_mid_body(server: LabServerProce
     status, body = got["answer"]
     assert status == 200 and json.loads(body)["meta_info"]["completion_tokens"] == 120
     assert "Received SIGTERM" in server.log
+
+
+def test_an_omitted_temperature_is_sglangs_default() -> None:
+    """A request that names no temperature samples, as SGLang's SamplingParams() does."""
+    sampling = pytest.importorskip("sglang.srt.sampling.sampling_params")
+    from ddtree_runtime.lab.http_api import sampling_params
+    from ddtree_runtime.lab.tokenizer import LabTokenizer
+
+    vocab = LabTokenizer().vocab_size
+    default = sampling.SamplingParams().temperature
+    assert sampling_params({}, vocab)["temperature"] == default > 0
+    assert sampling_params({"temperature": None}, vocab)["temperature"] == default
+    assert sampling_params({"temperature": 1e-7}, vocab)["temperature"] == 0.0  # below SGLang's eps: greedy

@@ -112,12 +112,27 @@ def test_generate_is_sglang_shaped_and_equals_ar_greedy(server: LabServerProcess
     status, batch = _json(
         http(
             server.url + "/generate",
-            {"text": list(LAB_PROMPTS[:2]), "sampling_params": {"max_new_tokens": 24}},
+            {"text": list(LAB_PROMPTS[:2]), "sampling_params": {"temperature": 0, "max_new_tokens": 24}},
         )
     )
     assert status == 200 and [b["output_ids"] for b in batch] == [expected[p] for p in LAB_PROMPTS[:2]]
     status, by_ids = _json(http(server.url + "/generate", {"input_ids": [5, 6, 7], "sampling_params": {}}))
     assert status == 200 and len(by_ids["output_ids"]) == 128  # SGLang's default max_new_tokens
+
+
+def test_a_request_without_a_temperature_samples_as_sglang_does(server: LabServerProcess, expected) -> None:
+    """SGLang's default temperature is 1.0: only temperature 0 (or < 1e-6, or top_k 1) is greedy."""
+    prompt = LAB_PROMPTS[0]
+
+    def ask(**sampling) -> list[int]:
+        body = {"text": prompt, "sampling_params": {"max_new_tokens": 24, "ignore_eos": True, **sampling}}
+        status, out = _json(http(server.url + "/generate", body))
+        assert status == 200 and len(out["output_ids"]) == 24
+        return out["output_ids"]
+
+    sampled = [ask() for _ in range(6)]
+    assert any(ids != expected[prompt] for ids in sampled), "six default requests all decoded greedily"
+    assert ask(top_k=1) == expected[prompt]
 
 
 def test_concurrent_requests_are_batched_and_answered_correctly(server: LabServerProcess, expected) -> None:
@@ -143,7 +158,7 @@ def test_a_short_request_joins_a_running_one(server: LabServerProcess, expected)
     """Continuous batching: a request arriving mid-generation is prefilled between rounds and answered
     while the long one is still decoding (and both answers are exact)."""
     got: dict = {}
-    long_body = {"text": "the fox", "sampling_params": {"max_new_tokens": 1500}}
+    long_body = {"text": "the fox", "sampling_params": {"temperature": 0, "max_new_tokens": 1500}}
     long = threading.Thread(target=lambda: got.update(long=_json(http(server.url + "/generate", long_body))))
     before = server.log.count("Prefill batch")
     long.start()
@@ -152,7 +167,8 @@ def test_a_short_request_joins_a_running_one(server: LabServerProcess, expected)
         time.sleep(0.01)
     prompt = LAB_PROMPTS[1]
     status, out = _json(
-        http(server.url + "/generate", {"text": prompt, "sampling_params": {"max_new_tokens": 24}})
+        http(server.url + "/generate",
+             {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 24}})
     )
     still_running = long.is_alive()
     long.join(120)
@@ -204,7 +220,8 @@ def test_bad_bodies_get_sglang_like_400s(server: LabServerProcess, path, body, f
 
 
 def test_metrics_use_sglang_names(server: LabServerProcess) -> None:
-    http(server.url + "/generate", {"text": "the cat", "sampling_params": {"max_new_tokens": 16}})
+    greedy = {"temperature": 0, "max_new_tokens": 16}
+    http(server.url + "/generate", {"text": "the cat", "sampling_params": greedy})
     status, body = http(server.url + "/metrics")
     assert status == 200
     values = {}
@@ -309,7 +326,7 @@ def test_slow_start_answers_503_until_ready_and_sigterm_drains(models: Path, tmp
 def _sigterm_drains(srv: LabServerProcess) -> None:
     """SIGTERM while a request runs: it is answered in full, then the server exits 0."""
     got: dict = {}
-    body = {"text": "the cat", "sampling_params": {"max_new_tokens": 150}}
+    body = {"text": "the cat", "sampling_params": {"temperature": 0, "max_new_tokens": 150}}
     t = threading.Thread(target=lambda: got.update(resp=_json(http(srv.url + "/generate", body))))
     before = srv.log.count("Prefill batch")
     t.start()
