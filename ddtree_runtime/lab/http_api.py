@@ -5,8 +5,8 @@ serving: a 400 for a body that breaks its JSON contract (sglang.api.v1's types: 
 "invalid type: floating point `2.5`, expected i64") or its sampling checks (SamplingParams.verify:
 temperature NaN, top_p 0, ...), a 413 for an oversized body, a 408 for a client that stalls
 mid-body. A request without a temperature samples at 1.0 and one below 1e-6 is greedy, as in SGLang.
-The module knows the server only through
-:class:`LabService`, so it imports nothing of server.py (which imports it).
+The module knows the server only through :class:`LabService`, so it imports nothing of server.py
+(which imports it).
 """
 
 from __future__ import annotations
