@@ -243,6 +243,8 @@ def test_failed_rollout_names_the_cause_and_keeps_the_previous(rollout, scenario
     assert proc.returncode != 0
     message = final_message(proc.stdout) if "Rollout of" in proc.stdout else proc.stdout
     assert cause in message, message
+    if scenario == "mem_fraction_too_small":  # the preflight's plan reaches the diagnosis in the rescue
+        assert "Planned: KV cache" in message and "the plan expected it to fit" in message, message
     assert rollout.fingerprint() == before, f"{scenario}: unit/env/runtime differ after the rollback"
     assert rollout.ssh(f"systemctl is-active {UNIT}").strip() == "active"
     assert rollout.generate()["text"].strip()
