@@ -17,4 +17,5 @@ fi
 if ! python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     export TRITON_INTERPRET=1
 fi
-python -m pytest tests "$@"
+# The slowest tests in every log: what the CI budget (45 min on 2 cores) is spent on.
+python -m pytest tests --durations=25 "$@"
