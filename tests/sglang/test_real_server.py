@@ -3,10 +3,12 @@
 The server is launched as lab host ct131's unit launches it (`_real_server`: the balanced profile's
 flags, ct131's CPU flags and environment, the lab-only CPU layer). In order, one server at a time:
 
-1. the same server without speculation: the greedy reference for every prompt;
+1. the same server without speculation: the greedy reference for every prompt, samples at T = 1, 0.5;
 2. DDTREE (budget 16: trees, not chains): the plugin's worker in SGLang's scheduler, tree-masked
    verify, walk, KV commit, drafter context by node index; token-identical to (1) for a batch and
    for requests joining a running batch; the handshake in /server_info and /metrics; the live probe;
+   at T = 1 the tokens its sampling walk emits follow (1)'s distribution (a chi-square test on 600
+   samples, which tells (1) at T = 0.5 from T = 1 and caught a walk sampling at 0.7 x T);
 3. DDTREE on a pair made to agree (`_agreeing_pair`): every round accepts its tree's whole depth.
 
 Each scenario prints one JSON line with its figures (seconds, acceptance).
@@ -15,8 +17,10 @@ Each scenario prints one JSON line with its figures (seconds, acceptance).
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -36,6 +40,10 @@ PROMPTS = [
     "the small bird sings while the wind",
 ]
 NEW_TOKENS = 48
+# T > 0: SAMPLES answers per server to one prompt; the tokens after the first (the first comes from the
+# prefill, the rest from DDTREE's sampling walk) must follow the plain server's distribution.
+SAMPLE_PROMPT, SAMPLES, SAMPLE_TOKENS = "the cat sees", 600, 4
+P_FLOOR = 1e-4  # a correct sampler fails one of the three positions about once in 3,000 runs
 BUDGET = int(profile_argv("balanced")[profile_argv("balanced").index("--speculative-ddtree-budget") + 1])
 
 
@@ -54,15 +62,29 @@ def models() -> Path:
     return lab_models()
 
 
+def sample(server: RealServer, temperature: float) -> list[list[int]]:
+    """SAMPLES answers to SAMPLE_PROMPT at this temperature, in one batch (ids, EOS ignored)."""
+    answers = server.generate([SAMPLE_PROMPT] * SAMPLES, SAMPLE_TOKENS, temperature=temperature,
+                              ignore_eos=True)
+    return [a["output_ids"] for a in answers]
+
+
 @pytest.fixture(scope="module")
-def reference(models: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
-    """Greedy output ids of the same server without speculation (one request at a time)."""
+def plain(models: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The same server without speculation: greedy output ids per prompt (one request at a time), and
+    samples at T = 1 and T = 0.5 for the distribution test."""
     with RealServer(models / "target", None, log_dir=tmp_path_factory.mktemp("plain")) as server:
         ready = server.wait_ready()
         started = time.monotonic()
-        out = {p: server.generate(p, 2 * NEW_TOKENS)["output_ids"] for p in PROMPTS}
+        greedy = {p: server.generate(p, 2 * NEW_TOKENS)["output_ids"] for p in PROMPTS}
+        samples = {t: sample(server, t) for t in (1.0, 0.5)}
         report("plain_reference", ready_seconds=ready, generate_seconds=round(time.monotonic() - started, 1))
-    return out
+    return {"greedy": greedy, "samples": samples}
+
+
+@pytest.fixture(scope="module")
+def reference(plain: dict) -> dict[str, list[int]]:
+    return plain["greedy"]
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +162,46 @@ def test_live_probe_passes_with_the_handshake(ddtree):
            expected_hidden_width=probe.figures["expected_hidden_width"],
            observed_hidden_width=probe.figures["observed_hidden_width"],
            accept_length=probe.figures["accept_length"])
+
+
+def homogeneity_p_value(a: list[int], b: list[int]) -> float:
+    """Chi-square test that two samples of token ids come from one distribution: tokens seen fewer than
+    10 times in both together are pooled; the p-value by the Wilson-Hilferty approximation."""
+    counts_a, counts_b = Counter(a), Counter(b)
+    kept = [t for t in counts_a | counts_b if counts_a[t] + counts_b[t] >= 10]
+    table = [(counts_a[t], counts_b[t]) for t in kept]
+    table.append((len(a) - sum(x for x, _ in table), len(b) - sum(y for _, y in table)))
+    table = [row for row in table if sum(row) > 0]
+    df = len(table) - 1
+    if df < 1:
+        return 1.0
+    n_a, n_b = len(a), len(b)
+    stat = 0.0
+    for x, y in table:
+        total = x + y
+        for observed, n in ((x, n_a), (y, n_b)):
+            expected = total * n / (n_a + n_b)
+            stat += (observed - expected) ** 2 / expected
+    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def test_sampling_at_t_above_zero_follows_the_plain_servers_distribution(ddtree, plain):
+    """DDTREE at T > 0 is lossless: its walk samples each token from the target's own distribution.
+    The test has the power to see a shift: the plain server at T = 0.5 differs from T = 1."""
+    started = time.monotonic()
+    tree = sample(ddtree, 1.0)
+    at_1, at_half = plain["samples"][1.0], plain["samples"][0.5]
+    figures = {}
+    for pos in range(1, SAMPLE_TOKENS):
+        p = homogeneity_p_value([ids[pos] for ids in tree], [ids[pos] for ids in at_1])
+        figures[f"p_token_{pos}"] = round(p, 5)
+        assert p > P_FLOOR, (pos, Counter(ids[pos] for ids in tree).most_common(8),
+                             Counter(ids[pos] for ids in at_1).most_common(8))
+    shifted = homogeneity_p_value([ids[1] for ids in at_half], [ids[1] for ids in at_1])
+    assert shifted < P_FLOOR, f"the test cannot tell T = 0.5 from T = 1 (p = {shifted})"
+    report("ddtree_sampling_t1", samples=SAMPLES, seconds=round(time.monotonic() - started, 1),
+           p_plain_t05_vs_t1=shifted, **figures)
 
 
 def test_sampling_and_chat_answer(ddtree):
