@@ -9,7 +9,8 @@ flags, ct131's CPU flags and environment, the lab-only CPU layer). In order, one
    for requests joining a running batch; the handshake in /server_info and /metrics; the live probe;
    at T = 1 the tokens its sampling walk emits follow (1)'s distribution (a chi-square test on 600
    samples, which tells (1) at T = 0.5 from T = 1 and caught a walk sampling at 0.7 x T);
-3. DDTREE on a pair made to agree (`_agreeing_pair`): every round accepts its tree's whole depth.
+3. DDTREE on a pair made to agree (`_agreeing_pair`): every round accepts its tree's whole depth;
+4. DDTREE with paged KV (--page-size 16): token-identical to (1), SGLang's pool checks clean.
 
 Each scenario prints one JSON line with its figures (seconds, acceptance).
 """
@@ -235,3 +236,32 @@ def test_a_drafter_that_agrees_gets_whole_trees_accepted(models, tmp_path_factor
             assert answer["meta_info"]["spec_verify_ct"] == 3, answer["meta_info"]
         figures = figures_of(answers)
     report("agreeing_pair", ready_seconds=ready, tree_depth=depth, **figures)
+
+
+LEAK_WORDS = ("memory leak detected", "double free", "use-after-free")
+
+
+def test_page_size_16_is_token_identical_and_keeps_the_pools_consistent(models, tmp_path_factory, reference,
+                                                                         ddtree):
+    """Paged KV (16 slots a page): a slot's page is fixed by its position, so the commit moves the
+    accepted rows' K/V (``move_kv_cache``) instead of permuting slots. Greedy output stays the plain
+    server's over six pages (it did not with the move skipped), and SGLang's own idle check of every
+    pool, made strict (a leak or double free kills the scheduler), finds nothing."""
+    ddtree.stop()  # one real server at a time
+    root = tmp_path_factory.mktemp("paged")
+    env = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
+    with RealServer(models / "target", models / "draft", log_dir=root, extra=["--page-size", "16"],
+                    env=env) as server:
+        ready = server.wait_ready()
+        status, info = server.request("/server_info")
+        assert status == 200 and info["page_size"] == 16
+        answers = server.generate(PROMPTS, 2 * NEW_TOKENS)
+        for prompt, answer in zip(PROMPTS, answers, strict=True):
+            assert answer["output_ids"] == reference[prompt], prompt
+        time.sleep(3)  # idle: the scheduler checks its pools
+        assert server.request("/health_generate", timeout=60)[0] == 200
+        assert server.generate(PROMPTS[:2], 8)[0]["meta_info"]["completion_tokens"] == 8
+        found = [w for w in LEAK_WORDS if w in server.log]
+        assert not found, found
+        figures = figures_of(answers)
+    report("page_size_16", ready_seconds=ready, **figures)
