@@ -160,6 +160,8 @@ def test_a_faulty_build_aborts_on_the_canary_host_and_the_second_is_never_touche
     assert run.returncode != 0, out[-4000:]
     assert f"Canary of release {world['ids']['b']} on {canary_host}" in out and "aborted at stage" in out
     assert cause in out, out[-4000:]
+    if fault == "mem_fraction":  # the shadow's plan reaches the diagnosis
+        assert "Planned: KV cache" in out, out[-4000:]
     assert "live untouched" in out
     # ct130 never got past the preflight: the second serial batch did not start.
     batches = out.split("PLAY [Canary the new build beside live")[1:]
