@@ -245,6 +245,10 @@ def test_failed_rollout_names_the_cause_and_keeps_the_previous(rollout, scenario
     assert cause in message, message
     if scenario == "mem_fraction_too_small":  # the preflight's plan reaches the diagnosis in the rescue
         assert "Planned: KV cache" in message and "the plan expected it to fit" in message, message
+        # ... and what the rescue leaves in the probe directory is no probe report to the metrics
+        release = json.loads(rollout.ssh(f"cat /var/lib/ddtree/state/{UNIT}.json"))["release_dir"]
+        shown = rollout.ssh(f"{release}/bin/ddtree metrics show --no-systemd")
+        assert "ddtree_state_file_unreadable{" not in shown and 'unit="sglang-qwen.plan"' not in shown, shown
     assert rollout.fingerprint() == before, f"{scenario}: unit/env/runtime differ after the rollback"
     assert rollout.ssh(f"systemctl is-active {UNIT}").strip() == "active"
     assert rollout.generate()["text"].strip()
