@@ -157,8 +157,8 @@ def sampling_params(raw: Any, vocab_size: int) -> dict:
             raise BadRequest(error, contract=True)
     sp = {k: v for k, v in raw.items() if v is not None}  # null = the default, as in SGLang
     sp.setdefault("temperature", DEFAULT_TEMPERATURE)  # SGLang samples unless asked for greedy
-    temperature, top_k = sp.get("temperature"), sp.get("top_k")
-    if temperature is not None and 0 <= temperature < SAMPLING_EPS:
+    temperature, top_k = sp["temperature"], sp.get("top_k")
+    if 0 <= temperature < SAMPLING_EPS:
         sp["temperature"], temperature = 0.0, 0.0  # greedy: SGLang sets top_k = 1
     _verify(sp, temperature, top_k)
     if top_k is not None and (top_k == -1 or top_k >= min(vocab_size, TOP_K_ALL)):

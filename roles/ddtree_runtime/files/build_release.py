@@ -37,7 +37,7 @@ _EXTRA_SKIP = (*_SKIP, "build")
 
 
 def _tree_files(root: Path, skip: tuple[str, ...]) -> list[Path]:
-    """The files shutil.copytree(root, ..., ignore=ignore_patterns(*skip)) copies, relative, sorted."""
+    """The files under root whose names and folders match none of skip, relative, sorted."""
     def kept(name: str) -> bool:
         return not any(fnmatch.fnmatch(name, pattern) for pattern in skip)
 
@@ -56,10 +56,15 @@ def source_files(checkout: Path) -> list[Path]:
     return top + [_PACKAGE / f for f in _tree_files(checkout / _PACKAGE, _SKIP)]
 
 
-def copy_sources(checkout: Path, dest: Path) -> None:
-    for rel in source_files(checkout):
+def copy_files(root: Path, files: list[Path], dest: Path) -> None:
+    """Copy the listed files (relative to root): the same list the build key hashes."""
+    for rel in files:
         (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(checkout / rel, dest / rel)
+        shutil.copy2(root / rel, dest / rel)
+
+
+def copy_sources(checkout: Path, dest: Path) -> None:
+    copy_files(checkout, source_files(checkout), dest)
 
 
 def build_wheel(source: Path, out: Path, name: str = _PACKAGE) -> Path:
@@ -168,7 +173,7 @@ def build_extra(project: Path, scratch: Path) -> Path:
     if not (project / "pyproject.toml").is_file():
         raise SystemExit(f"--extra-project {project}: no pyproject.toml there")
     src = scratch / "src"
-    shutil.copytree(project, src, ignore=shutil.ignore_patterns(*_EXTRA_SKIP))
+    copy_files(project, _tree_files(project, _EXTRA_SKIP), src)
     name = _project_name(project / "pyproject.toml")
     return build_wheel(src, scratch / "dist", name.replace("-", "_"))
 
