@@ -36,9 +36,10 @@ _GPU_ID = re.compile(r"\d{1,3}|GPU-[0-9a-fA-F-]{8,64}|MIG-[0-9a-fA-F/-]{8,80}")
 _DIRECTIVE = re.compile(r"[A-Z][A-Za-z]{1,63}")
 _DEVICE_ALLOW = re.compile(r"(char-[a-z0-9_-]+|block-[a-z0-9_-]+|/dev/[A-Za-z0-9/_.:-]+)( [rwm]{1,3})?")
 _URL = re.compile(r"https?://[A-Za-z0-9.\[\]:_-]+(/[A-Za-z0-9._/-]*)?")
+_REQUIREMENT = re.compile(r"[A-Za-z0-9._\[\],<>=!~+-]+")
 _TIMESPAN = re.compile(r"[1-9][0-9]{0,6}(s|min|h)")
 # A word ExecStart= may carry as it is: anything else is double-quoted.
-_PLAIN_WORD = re.compile(r"[A-Za-z0-9_./:=,+@-]+")
+_PLAIN_WORD = re.compile(r"[A-Za-z0-9_./:=,+@\[\]-]+")
 _BOOL_WORDS = {"true": True, "yes": True, "on": True, "1": True,
                "false": False, "no": False, "off": False, "0": False}
 MAX_VALUE_CHARS = 4096
@@ -96,7 +97,7 @@ def account(name: str, value: Any) -> str | None:
         return _problem(name, value, "is not a system account name: 1-32 of a-z, 0-9, '_' and '-', "
                         "starting with a letter or '_'")
     if value == "root":
-        return _problem(name, value, "is root: the service runs as a dedicated unprivileged user "
+        return _problem(name, value, "is root: the service runs as a dedicated unprivileged account "
                         "(the role creates it; the default is fine)")
     return None
 
@@ -416,6 +417,11 @@ def exec_line(argv: Iterable[Any], *, indent: str = "    ") -> str:
     return (" \\\n" + indent).join(lines)
 
 
+def exec_words(argv: Iterable[Any]) -> str:
+    """ExecStart='s value on one line: each word quoted."""
+    return " ".join(systemd_word(w) for w in argv)
+
+
 def env_file_value(value: Any) -> str:
     """A value for an EnvironmentFile= line: double-quoted, '"', '\\', '`' and '$' escaped (the only
     escapes systemd reads in double quotes), other text as UTF-8, never JSON's \\u escapes."""
@@ -654,4 +660,26 @@ def probe_problems(v: Mapping[str, Any]) -> list[str]:
             problems += _collect(None if isinstance(key, str) and re.fullmatch(r"[a-z0-9_]{1,64}", key) else
                                  _problem("ddtree_probe_expect key", key, "is not a server_info field name"),
                                  one_line(f"ddtree_probe_expect.{key}", value, limit=256))
+    return problems
+
+
+def runtime_problems(v: Mapping[str, Any]) -> list[str]:
+    problems = _collect(
+        *[abs_path(f"ddtree_runtime_{d}", v.get(d)) for d in ("root", "python", "wheelhouse", "models_dir")],
+        integer("ddtree_runtime_keep_releases", v.get("keep_releases"), 1, 100),
+        strict_bool("ddtree_runtime_plugin_check", v.get("plugin_check")),
+        strict_bool("ddtree_runtime_lab_cpu_compat", v.get("lab_cpu_compat")),
+        strict_bool("ddtree_runtime_make_lab_models", v.get("make_lab_models")),
+        string_list("ddtree_runtime_pip_index_args", v.get("pip_index_args")),
+        string_list("ddtree_runtime_packages", v.get("packages")),
+        string_list("ddtree_runtime_nodeps_packages", v.get("nodeps_packages")),
+        string_list("ddtree_runtime_reference_paths", v.get("reference_paths")),
+    )
+    for key in ("packages", "nodeps_packages"):
+        for item in v.get(key) or []:
+            if isinstance(item, str) and (item.startswith("-") or not _REQUIREMENT.fullmatch(item)):
+                problems.append(_problem(f"ddtree_runtime_{key} entry", item, "is not a pinned requirement "
+                                         "(name==version, no spaces, not a pip option)"))
+    for path in v.get("reference_paths") or []:
+        problems += _collect(abs_path("ddtree_runtime_reference_paths entry", path))
     return problems

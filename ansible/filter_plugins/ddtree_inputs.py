@@ -66,12 +66,14 @@ class FilterModule:
             "ddtree_canary_problems": lambda v: _rules.canary_problems(_plain(v)),
             "ddtree_exporter_problems": lambda v: _rules.exporter_problems(_plain(v)),
             "ddtree_probe_problems": lambda v: _rules.probe_problems(_plain(v)),
+            "ddtree_runtime_problems": lambda v: _rules.runtime_problems(_plain(v)),
             "ddtree_state_problems": lambda state, name, releases_dir: _rules.recorded_state_problems(
                 name, _plain(state), str(releases_dir)),
             "ddtree_account_problems": _existing_account,
             "ddtree_split_flags": _quoting(lambda items, name="sglang_extra_flags": _rules.split_launch_flags(
                 _plain(items), name)),
             "ddtree_exec_line": _quoting(lambda argv: _rules.exec_line(_plain(argv))),
+            "ddtree_exec_words": _quoting(lambda argv: _rules.exec_words(_plain(argv))),
             "ddtree_systemd_word": _quoting(_rules.systemd_word),
             "ddtree_env_value": _quoting(_rules.env_file_value),
             "ddtree_unit_value": _quoting(lambda value, name="a unit value": _rules.unit_value(name, value)),
