@@ -40,8 +40,9 @@ _REQUIREMENT = re.compile(r"[A-Za-z0-9._\[\],<>=!~+-]+")
 _TIMESPAN = re.compile(r"[1-9][0-9]{0,6}(s|min|h)")
 # A word ExecStart= may carry as it is: anything else is double-quoted.
 _PLAIN_WORD = re.compile(r"[A-Za-z0-9_./:=,+@\[\]-]+")
-_BOOL_WORDS = {"true": True, "yes": True, "on": True, "1": True,
-               "false": False, "no": False, "off": False, "0": False}
+# The words Ansible's own bool type reads (module_utils.parsing.convert_bool), and no others.
+_BOOL_WORDS = {"true": True, "yes": True, "on": True, "1": True, "y": True, "t": True,
+               "false": False, "no": False, "off": False, "0": False, "n": False, "f": False}
 MAX_VALUE_CHARS = 4096
 MAX_LIST_ITEMS = 256
 
@@ -170,8 +171,8 @@ def as_int(value: Any) -> int | None:
         return value
     if isinstance(value, float) and value.is_integer():
         return int(value)
-    if isinstance(value, str) and re.fullmatch(r"-?\d{1,18}", value.strip()):
-        return int(value.strip())
+    if isinstance(value, str) and re.fullmatch(r"-?\d{1,18}", value):
+        return int(value)
     return None
 
 
@@ -207,7 +208,7 @@ def as_bool(value: Any) -> bool | None:
     if isinstance(value, int) and value in (0, 1):
         return bool(value)
     if isinstance(value, str):
-        return _BOOL_WORDS.get(value.strip().lower())
+        return _BOOL_WORDS.get(value.lower())
     return None
 
 
