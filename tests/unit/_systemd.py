@@ -18,9 +18,17 @@ import subprocess
 from pathlib import Path
 
 ANALYZE = shutil.which("systemd-analyze")
-ENV_GENERATOR = next((p for p in ("/usr/lib/systemd/user-environment-generators/30-systemd-environment-d-generator",
-                                  "/lib/systemd/user-environment-generators/30-systemd-environment-d-generator")
-                      if os.access(p, os.X_OK)), None)
+ENV_GENERATOR = next(
+    (
+        p
+        for p in (
+            "/usr/lib/systemd/user-environment-generators/30-systemd-environment-d-generator",
+            "/lib/systemd/user-environment-generators/30-systemd-environment-d-generator",
+        )
+        if os.access(p, os.X_OK)
+    ),
+    None,
+)
 
 
 def _unquote_words(text: str) -> list[str]:
@@ -51,8 +59,13 @@ def _unquote_words(text: str) -> list[str]:
 def verify(unit: Path) -> tuple[int, str, str]:
     """rc, the warnings (normal level) and the debug dump of ``systemd-analyze verify``."""
     plain = subprocess.run([ANALYZE, "verify", str(unit)], capture_output=True, text=True, timeout=60)
-    debug = subprocess.run([ANALYZE, "verify", str(unit)], capture_output=True, text=True, timeout=60,
-                           env={**os.environ, "SYSTEMD_LOG_LEVEL": "debug"})
+    debug = subprocess.run(
+        [ANALYZE, "verify", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "SYSTEMD_LOG_LEVEL": "debug"},
+    )
     return plain.returncode, (plain.stdout + plain.stderr).strip(), debug.stdout + debug.stderr
 
 
