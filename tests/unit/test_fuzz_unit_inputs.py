@@ -298,7 +298,7 @@ def test_an_existing_account_the_install_would_rewrite_is_refused():
     assert found.startswith("sglang_service_user: 'alice' already exists") and "/home/alice" in found
 
 
-# ---------------------------------------------------------------------------- the roles: real ansible-playbook
+# ------------------------------------------------------------------------ the roles, real ansible-playbook
 
 ODD_MODEL = '/srv/models/Qwen 3.6 "27B" $NOT_A_VAR 100% back\\slash é'
 ODD_ENV = {"ODD": 'x y "q" $NOT_A_VAR `id` \\ é ☃ %n', "CUDA_HOME": "/usr/local/cuda"}
