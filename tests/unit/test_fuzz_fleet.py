@@ -178,3 +178,25 @@ def test_fleet_logs_names_bad_input_and_silent_hosts(key, tmp_path):
             [*cli, str(_inventory(tmp_path, 22, key[1])), *args], capture_output=True, text=True, timeout=60
         )
         assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+
+
+@pytest.mark.parametrize(
+    "args", [["--forks", "0"], ["--unit", "../../etc/passwd"], ["--timeout", "nan"], ["--timeout", "-1"]]
+)
+def test_fleet_status_refuses_bad_arguments(key, tmp_path, args):
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ddtree_runtime",
+            "fleet",
+            "status",
+            "-i",
+            str(_inventory(tmp_path, 22, key[1])),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 2 and "Traceback" not in res.stderr and res.stderr.strip(), res.stderr

@@ -132,6 +132,7 @@ def test_malformed_descriptions_are_refused(description, tmp_path, capsys):
         (["--", "--max-running-requests", "2000000"], "max-running-requests must be in 1..65536"),
         (["--tp-size", "1000000000"], "tp-size must be in 1..64"),
         (["--", "--context-length", "-5"], "context-length must be in"),
+        (["--", "--context-length", "1000000000000"], "context-length must be in 1..67108864"),
         (["--", "--mem-fraction-static", "nan"], "mem-fraction-static must be between 0 and 1"),
         (["--", "--mamba-full-memory-ratio", "inf"], "mamba-full-memory-ratio"),
         (["--", "--page-size", "1e9"], "takes a number"),
