@@ -140,13 +140,6 @@ def abs_path(name: str, value: Any, *, plain: bool = True) -> str | None:
     return None
 
 
-def inside(name: str, base: str, leaf: Any) -> str | None:
-    """``base/leaf`` stays a direct child of ``base`` (no '/' or '..' in ``leaf``)."""
-    if not isinstance(leaf, str) or not leaf or "/" in leaf or leaf in (".", "..") or "\0" in leaf:
-        return _problem(name, leaf, f"would leave {base}: a single file name, no '/' or '..'")
-    return None
-
-
 def release_id(name: str, value: Any) -> str | None:
     if not isinstance(value, str) or not _RELEASE_ID.fullmatch(value):
         return _problem(name, value, "is not a release id (16 hex digits, as the runtime role names "

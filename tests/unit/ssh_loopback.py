@@ -23,8 +23,6 @@ from typing import Any
 
 import paramiko
 
-_KEYS: list[paramiko.ECDSAKey] = []
-
 
 def new_key() -> paramiko.ECDSAKey:
     return paramiko.ECDSAKey.generate(bits=256)
