@@ -430,3 +430,75 @@ def test_the_service_preflight_refuses_an_account_the_install_would_rewrite():
     assert "sglang_service_user: 'daemon' already exists on the host with home" in " ".join(
         result.stdout.split()
     )
+
+
+def _canary_preflight(tmp_path: Path, state: dict[str, Any], **extra: Any):
+    (tmp_path / "sglang-qwen.json").write_text(json.dumps(state))
+    return playbook(
+        PLAYBOOKS / "canary_preflight.yml",
+        "-e",
+        json.dumps({"sglang_canary_state_dir": str(tmp_path), **extra}),
+    )
+
+
+def test_the_canary_preflight_names_every_bad_value_and_distrusts_a_tampered_state(tmp_path):
+    good = {
+        "release": "0123456789abcdef",
+        "previous_release": None,
+        "port": 30000,
+        "profile": "balanced",
+        "release_dir": "/opt/ddtree/releases/0123456789abcdef",
+    }
+    result = _canary_preflight(tmp_path, good)
+    assert result.returncode == 0, result.stdout[-3000:]
+    hostile = {
+        "sglang_canary_live_unit_name": "sglang-qwen; touch /tmp/pwned",
+        "sglang_canary_shadow_unit_name": "../../../../etc",
+        "sglang_canary_rounds": 0,
+        "canary_shadow_extra_flags": ["--mem-fraction-static 0.5" + INJECT],
+    }
+    said = " ".join(_canary_preflight(tmp_path, good, **hostile).stdout.split())
+    assert "Invalid canary variables for localhost (nothing on any host was changed)" in said
+    for name in (
+        "sglang_canary_live_unit_name",
+        "sglang_canary_shadow_unit_name",
+        "sglang_canary_rounds",
+        "sglang_canary_shadow_extra_flags[0]",
+    ):
+        assert f"{name}: " in said, name
+    tampered = {
+        **good,
+        "release_dir": "/opt/ddtree/releases/../../../etc",
+        "previous_release": "../../../etc",
+    }
+    said = " ".join(_canary_preflight(tmp_path, tampered).stdout.split())
+    assert f"The live deployed state {tmp_path}/sglang-qwen.json on localhost cannot be trusted" in said
+    assert "release_dir: '/opt/ddtree/releases/../../../etc' is not a normalised path" in said
+    assert "previous_release: '../../../etc' is not a release id" in said
+
+
+def test_the_exporter_preflight_distrusts_a_tampered_state_and_names_bad_values(tmp_path):
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "sglang-qwen.json").write_text(json.dumps({"release_dir": "/tmp/x; reboot"}))
+    extra = {
+        "ddtree_exporter_state_dir": str(tmp_path),
+        "ddtree_exporter_release_dir": "",
+        "out_dir": str(tmp_path),
+    }
+    said = " ".join(playbook(PLAYBOOKS / "render_exporter.yml", "-e", json.dumps(extra)).stdout.split())
+    assert "cannot be trusted: sglang-qwen.json release_dir: '/tmp/x; reboot' holds characters" in said
+    hostile = {
+        **extra,
+        "ddtree_exporter_probe_units": [{"unit": "sglang-qwen" + INJECT, "port": "1\nX=1"}],
+        "ddtree_exporter_probe_interval": "15min\nExecStartPre=+/bin/sh",
+        "ddtree_exporter_user": "root",
+    }
+    said = " ".join(playbook(PLAYBOOKS / "render_exporter.yml", "-e", json.dumps(hostile)).stdout.split())
+    assert "Invalid exporter variables for localhost (nothing on any host was changed)" in said
+    for name in (
+        "ddtree_exporter_probe_units[0].unit",
+        "ddtree_exporter_probe_units[0].port",
+        "ddtree_exporter_probe_interval",
+        "ddtree_exporter_user",
+    ):
+        assert f"{name}: " in said, name
