@@ -190,6 +190,14 @@ def _why_unreachable(t: Target, exc: BaseException) -> str:
     return f"{where}: {type(exc).__name__}: {exc}"
 
 
+def open_client(t: Target) -> Any:
+    """A logged-in paramiko client for more than one command (e.g. SFTP); the caller closes it."""
+    from ddtree_runtime.ops import ssh_session
+
+    return ssh_session.connect(address=t.address, port=t.port, user=t.user, key_file=t.key_file,
+                               known_hosts=t.known_hosts, strict=t.strict, timeout=t.timeout)
+
+
 def run_remote(t: Target, command: str, stdin_text: str | None = None) -> tuple[int, str, str]:
     """Run one command on the target, the whole exchange within ``t.timeout`` seconds; raises on
     connection problems and at the deadline (ssh_session.DeadlineExceeded)."""

@@ -92,6 +92,41 @@ class AcceptNew(paramiko.MissingHostKeyPolicy):
             remember_host_key(self.known_hosts, hostname, key)
 
 
+def connect(
+    *,
+    address: str,
+    port: int,
+    user: str,
+    key_file: str | None,
+    known_hosts: tuple[str, ...],
+    strict: str,
+    timeout: float,
+    sock: socket.socket | None = None,
+) -> paramiko.SSHClient:
+    """A logged-in client with the inventory's host-key policy (the caller closes it)."""
+    client = paramiko.SSHClient()
+    client.load_system_host_keys()
+    for path in known_hosts:
+        if os.path.exists(path):
+            client.get_host_keys().load(path)  # not load_host_keys: paramiko would rewrite the file itself
+    if strict == "no":
+        client.set_missing_host_key_policy(paramiko.WarningPolicy())
+    elif strict == "accept-new":
+        client.set_missing_host_key_policy(AcceptNew(known_hosts[0] if known_hosts else None))
+    else:
+        client.set_missing_host_key_policy(paramiko.RejectPolicy())
+    try:
+        # An sshd sends its banner at once: a port silent for half the time left does not speak SSH, which
+        # the caller can name (paramiko's "Error reading SSH protocol banner") before a deadline cuts it.
+        client.connect(address, port=port, username=user, pkey=_load_key(key_file) if key_file else None,
+                       sock=sock, timeout=timeout, banner_timeout=max(0.05, timeout / 2),
+                       auth_timeout=timeout, look_for_keys=key_file is None, allow_agent=key_file is None)
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
 def run(
     *,
     address: str,
@@ -108,24 +143,15 @@ def run(
     the whole exchange (connect, handshake, authentication, command, answer), else paramiko's or the
     socket's own errors."""
     started = time.monotonic()
-    client = paramiko.SSHClient()
-    client.load_system_host_keys()
-    for path in known_hosts:
-        if os.path.exists(path):
-            client.get_host_keys().load(path)  # not load_host_keys: paramiko would rewrite the file itself
-    if strict == "no":
-        client.set_missing_host_key_policy(paramiko.WarningPolicy())
-    elif strict == "accept-new":
-        client.set_missing_host_key_policy(AcceptNew(known_hosts[0] if known_hosts else None))
-    else:
-        client.set_missing_host_key_policy(paramiko.RejectPolicy())
     expired = threading.Event()
     sock: socket.socket | None = None
+    client: paramiko.SSHClient | None = None
 
     def cut_off() -> None:
         expired.set()
-        with contextlib.suppress(Exception):
-            client.close()
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.close()
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
@@ -137,11 +163,8 @@ def run(
     try:
         sock = socket.create_connection((address, port), timeout=max(0.1, deadline_s))
         left = max(0.1, deadline_s - (time.monotonic() - started))
-        # An sshd sends its banner at once: a port silent for half the time left does not speak SSH, which
-        # the caller can name (paramiko's "Error reading SSH protocol banner") before the deadline cuts it.
-        client.connect(address, port=port, username=user, pkey=_load_key(key_file) if key_file else None,
-                       sock=sock, timeout=left, banner_timeout=max(0.05, left / 2), auth_timeout=left,
-                       look_for_keys=key_file is None, allow_agent=key_file is None)
+        client = connect(address=address, port=port, user=user, key_file=key_file, known_hosts=known_hosts,
+                         strict=strict, timeout=left, sock=sock)
         stdin, stdout, _stderr = client.exec_command(command)
         if stdin_text is not None:
             stdin.write(stdin_text)
@@ -159,7 +182,8 @@ def run(
         raise
     finally:
         watchdog.cancel()
-        client.close()
+        if client is not None:
+            client.close()
         if sock is not None:
             sock.close()
 
