@@ -46,7 +46,7 @@ def _stages(mod: Any, draft: Any, target: Any, roots: Any, prefix: Any, budget: 
     lp, ids = topk_log_probs(draft, k)
     tree = mod.build_tree(draft, budget)
     walk = mod.walk_greedy(tree, target)
-    launches, _, _ = topk_launches(draft, k)
+    launches, _, _, _ = topk_launches(draft, k)
     parts = {name: launch for name, launch in launches}  # each needs the ones before it: run in order
     for launch in parts.values():
         launch()

@@ -22,36 +22,10 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import draft_tp_context
 from torch import Tensor
 
+from ddtree_runtime.sglang_plugin.draft_head import draft_head
 from ddtree_runtime.sglang_plugin.hybrid import DDTreeVerifyInput, tree_verify_branch
 from ddtree_runtime.sglang_plugin.tree_step import TreeVerifyBatch
-
-
-def full_vocab_logits(hidden: Tensor, lm_head: Any, vocab_size: int, tp_group: Any = None) -> Tensor:
-    """fp32 logits over the GLOBAL vocabulary from a (possibly vocabulary-parallel) LM head: the
-    tree ranks every token by its log-softmax, so each rank needs all of them under global ids.
-
-    A shard's weight rows ``[0, num_org)`` hold ids ``[org_vocab_start, +num_org)``, then padding
-    (SGLang's ``VocabParallelEmbedding.shard_indices``); gathering the padded shards side by side
-    would shift every id after the first shard's padding. Each rank writes its ids into a
-    ``-inf`` row and a MAX all-reduce over the TP group assembles the vocabulary. Added-vocabulary
-    rows are not ranked (as in every DDTree port)."""
-    weight = lm_head.weight
-    shard = getattr(lm_head, "shard_indices", None)
-    if shard is None:
-        start, num = 0, min(int(weight.shape[0]), vocab_size)
-    else:
-        start, num = int(shard.org_vocab_start_index), int(shard.num_org_elements)
-    local = torch.matmul(hidden.to(weight.dtype), weight[:num].t()).float()
-    world = 1 if tp_group is None else int(tp_group.world_size)
-    if world == 1 and start == 0 and num == vocab_size:
-        return local
-    out = torch.full((hidden.shape[0], vocab_size), float("-inf"), device=local.device)
-    out[:, start: start + num] = local
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=tp_group.device_group)
-    return out
+from ddtree_runtime.tree_types import DraftTopK
 
 
 class SGLangRoundModels:
@@ -66,7 +40,7 @@ class SGLangRoundModels:
     # --- drafter: DFlash's block, unchanged ---------------------------------------------------
     def draft_block(
         self, block_ids: Tensor, positions: Tensor, cache_loc: Tensor, req_pool_indices: Tensor
-    ) -> Tensor:
+    ) -> Tensor | DraftTopK:
         w, batch = self.worker, self.batch
         bs, block = block_ids.shape
         target_model = w.target_worker.model_runner.model
@@ -113,10 +87,17 @@ class SGLangRoundModels:
         hidden = hidden.view(bs, block, -1)
         lm_head = target_model.lm_head
         vocab = int(w.model_runner.model_config.vocab_size)
+        settings = w.ddtree_settings
         with draft_tp_context(w.draft_parallel_layout):
             rows = hidden[:, 1:].reshape(-1, hidden.shape[-1])
-            logits = full_vocab_logits(rows, lm_head, vocab, get_parallel().tp_group)
-        logits = logits.view(bs, block - 1, -1)
+            # TP: a vocabulary shard per rank, top-K + logsumexp exchanged (draft_head, tp_head)
+            head = draft_head(
+                rows, lm_head, vocab, get_parallel().tp_group,
+                budget=int(settings["budget"]), topk_cap=settings["topk_cap"],
+            )
+        if isinstance(head, DraftTopK):
+            return head.reshape(bs, block - 1)  # depths 1..L only
+        logits = head.view(bs, block - 1, -1)
         root = torch.zeros((bs, 1, logits.shape[-1]), dtype=logits.dtype, device=logits.device)
         return torch.cat([root, logits], dim=1).view(bs * block, -1)  # slot 0 (bonus) is not read
 

@@ -2,7 +2,8 @@
 
 The round (ddtree-algorithm.md section 3) is the same whatever runs the models:
 
-1. the drafter's block ``[bonus, MASK x L]`` at positions ``prefix ..`` -> per-depth logits;
+1. the drafter's block ``[bonus, MASK x L]`` at positions ``prefix ..`` -> per-depth logits
+   (or, under tensor parallelism, their merged top-K and logsumexp: ``tp_head``);
 2. ``ddtree_runtime.tree`` builds the tree (CUDA kernels on GPU) and the verify arrays:
    tokens, positions ``prefix + depth``, the ancestor mask (``tree_step.plan_tree_verify``);
 3. ONE target forward over ``budget + 1`` rows per request, written at logical positions
@@ -38,15 +39,17 @@ from ddtree_runtime.sglang_plugin.tree_step import (
     draft_position_logits,
     plan_tree_verify,
 )
-from ddtree_runtime.tree import WalkResult, walk_greedy, walk_sample
+from ddtree_runtime.tree import DraftTopK, WalkResult, walk_greedy, walk_sample
 
 
 class RoundModels(Protocol):
     def draft_block(
         self, block_ids: Tensor, positions: Tensor, cache_loc: Tensor, req_pool_indices: Tensor
-    ) -> Tensor:
+    ) -> Tensor | DraftTopK:
         """Drafter over ``block_ids [b, block]`` (its context: the draft KV of each request's
-        ``req_to_token`` row) -> logits ``[b * block, V]`` over the global vocabulary."""
+        ``req_to_token`` row) -> logits ``[b * block, V]`` over the global vocabulary (slot 0, the
+        bonus, is not read), or, from a vocabulary-parallel head, the per-depth top-K and
+        logsumexp ``DraftTopK [b, block - 1, K]`` merged over the TP group (``tp_head``)."""
 
     def target_verify(
         self, plan: TreeVerifyBatch, cache_loc: Tensor, req_pool_indices: Tensor
