@@ -37,7 +37,16 @@ from torch import Tensor
 from ddtree_runtime.tree import stable_topk
 from ddtree_runtime.tree_types import DraftTopK
 
-__all__ = ["MAX_VOCAB", "VocabShard", "exchange", "merge", "pack", "shard_topk", "sharded_topk"]
+__all__ = [
+    "MAX_VOCAB",
+    "VocabShard",
+    "exchange",
+    "merge",
+    "pack",
+    "shard_topk",
+    "sharded_topk",
+    "vocab_shards",
+]
 
 # Ids travel as fp32 in the packed buffer: exact for every integer up to 2^24 (padding takes id V).
 MAX_VOCAB = 1 << 24
@@ -72,6 +81,17 @@ class VocabShard:
     def whole(self) -> bool:
         """The shard is the whole vocabulary (TP 1, or a replicated head): nothing to exchange."""
         return self.start == 0 and self.num == self.vocab
+
+
+def vocab_shards(vocab: int, world: int, padding: int = 64) -> list[VocabShard]:
+    """Every rank's real ids as SGLang's ``VocabParallelEmbedding._get_indices`` lays them out
+    (no added vocabulary): the vocabulary padded to a multiple of ``padding`` (times the TP size
+    when that does not divide it), cut in equal slices, each slice's real ids first. For the
+    benchmark and tests; the plugin reads a live head's own ``shard_indices``."""
+    if -(-vocab // padding) * padding % world:
+        padding *= world
+    per = -(-vocab // padding) * padding // world
+    return [VocabShard(min(r * per, vocab), min(per, max(vocab - r * per, 0)), vocab) for r in range(world)]
 
 
 def _use_kernels(t: Tensor) -> bool:

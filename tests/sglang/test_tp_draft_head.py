@@ -273,3 +273,19 @@ def test_the_worker_decodes_the_targets_greedy_tokens_at_tp2(ranks):
                 tree.build_tree_from_topk(top, BUDGET), tree.build_tree(logits, BUDGET), f"rank {r} round {i}"
             )
     assert ranks[0]["decode"]["tokens"] == ranks[1]["decode"]["tokens"]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 8])
+@pytest.mark.parametrize("vocab", [12, 1100, 151936, 248320, 248077])
+def test_vocab_shards_is_sglangs_layout(vocab, world):
+    """``tp_head.vocab_shards`` (the benchmark's and unit tests' shards) = VocabParallelEmbedding's
+    own ``_get_indices`` for the same vocabulary and TP size (the padding rule as its __init__)."""
+    from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding, pad_vocab_size
+
+    from ddtree_runtime.tp_head import vocab_shards
+
+    padding = 64 if pad_vocab_size(vocab, 64) % world == 0 else 64 * world
+    padded = pad_vocab_size(vocab, padding)
+    for rank, shard in enumerate(vocab_shards(vocab, world)):
+        want = VocabParallelEmbedding._get_indices(padded, padded, vocab, vocab, rank, world)
+        assert (shard.start, shard.num) == (want.org_vocab_start_index, want.num_org_elements), rank

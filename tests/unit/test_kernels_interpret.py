@@ -171,6 +171,27 @@ def test_sharded_head_with_the_kernel_builds_the_single_rank_tree():
     assert_same(kernels.build_tree_from_topk(top, budget), tree.build_tree(logits, budget), "kernel tree")
 
 
+def test_tp_head_bench_runs_its_checks_on_the_cpu(capsys):
+    """scripts/kernels/tp_head_bench.py (run on the H200 as is) at its tiny CPU size: its checks
+    pass and it prints the bytes per round at batch 1, 8 and 16 for TP 2."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "kernels" / "tp_head_bench.py"
+    spec = importlib.util.spec_from_file_location("tp_head_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--tiny", "--batch", "1", "--k", "8", "--iters", "1"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    sizes = {(r["batch"], r["K"]): r for r in lines if r["bench"] == "tp_head_bytes"}
+    assert sizes[(16, 8)]["before_allreduce_bytes"] == 240 * 248320 * 4  # [N, V] fp32, TP 2
+    assert sizes[(16, 8)]["after_allgather_bytes"] == 240 * 17 * 4  # [N, 2K + 1] fp32
+    case = next(r for r in lines if r["bench"] == "tp_head")
+    assert case["trees_equal"] and case["topk_ids_equal"]
+    assert lines[-1]["all_checks_pass"] is True
+
+
 # ---------------------------------------------------------------------------------------------
 # tree build
 

@@ -3,8 +3,8 @@ vocabulary shard, the ranks all-gather ``[N, 2K + 1]`` and merge; the tree built
 the single-rank tree from the full vocabulary, node for node, on every rank.
 
 Ranks are processes over ``torch.distributed`` gloo (2 and 4 of them); shards follow SGLang's
-layout (real rows, then padding, a vocabulary not divisible by the TP size: the formula of
-``VocabParallelEmbedding._get_indices``; tests/sglang/test_tp_draft_head.py runs SGLang's own).
+layout (``tp_head.vocab_shards``: real rows, then padding, a vocabulary not divisible by the TP
+size; tests/sglang/test_tp_draft_head.py checks it against SGLang's own and runs SGLang's code).
 """
 
 from __future__ import annotations
@@ -16,20 +16,19 @@ import pytest
 import torch
 
 from ddtree_runtime import tree
-from ddtree_runtime.tp_head import MAX_VOCAB, VocabShard, exchange, merge, pack, shard_topk, sharded_topk
+from ddtree_runtime.tp_head import (
+    MAX_VOCAB,
+    VocabShard,
+    exchange,
+    merge,
+    pack,
+    shard_topk,
+    sharded_topk,
+    vocab_shards,
+)
 from ddtree_runtime.tree_types import DraftTopK, topk_width
 
 LARGEST_BUDGET = 1023  # sglang_plugin.cli_args.MAX_BUDGET
-
-
-def sglang_layout(vocab: int, world: int, padding: int = 64) -> list[VocabShard]:
-    """Each rank's real ids as ``VocabParallelEmbedding`` places them: the vocabulary padded to a
-    multiple of ``padding`` (times the TP size when that does not divide it), split evenly, real
-    ids first in every slice."""
-    if -(-vocab // padding) * padding % world:
-        padding *= world
-    per = -(-vocab // padding) * padding // world
-    return [VocabShard(min(r * per, vocab), min(per, max(vocab - r * per, 0)), vocab) for r in range(world)]
 
 
 def _cases() -> dict[str, tuple[torch.Tensor, int, int | None]]:
@@ -97,7 +96,7 @@ def _rank_main(rank: int, init_file: str, out_dir: str) -> None:
             results = {}
             for name, (logits, budget, cap) in _cases().items():
                 b, horizon, v = logits.shape
-                shard = sglang_layout(v, world)[rank]
+                shard = vocab_shards(v, world)[rank]
                 local = logits.reshape(-1, v)[:, shard.start : shard.start + shard.num]
                 top = sharded_topk(
                     local, shard, topk_width(budget, v, cap), world=world,
@@ -145,14 +144,14 @@ def test_every_rank_builds_the_single_rank_tree(world, gloo_ranks, torch_one_thr
 def test_merge_of_simulated_ranks_is_the_single_rank_result(world, torch_one_thread):
     for name, (logits, budget, cap) in _cases().items():
         v = logits.shape[-1]
-        top = _simulated(logits, sglang_layout(v, world), topk_width(budget, v, cap))
+        top = _simulated(logits, vocab_shards(v, world), topk_width(budget, v, cap))
         assert_single_rank_result(top, logits, budget, cap, f"{name}, {world} shards")
 
 
 def test_a_shard_without_real_ids_and_shards_shorter_than_k(torch_one_thread):
     # V = 12 over 4 ranks padded to 64: 16 ids per slice, so ranks 1-3 hold none at all.
     logits = torch.randn(1, 3, 12, generator=torch.Generator().manual_seed(2))
-    shards = sglang_layout(12, 4)
+    shards = vocab_shards(12, 4)
     assert [s.num for s in shards] == [12, 0, 0, 0]
     assert_single_rank_result(_simulated(logits, shards, 7), logits, 7, None, "empty shards")
     uneven = [VocabShard(0, 3, 12), VocabShard(3, 1, 12), VocabShard(4, 8, 12)]  # 3 and 1 < K
