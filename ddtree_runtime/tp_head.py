@@ -11,11 +11,12 @@ the single-rank path uses, ``(x - max) - log(sum)``, and the top-K of the world 
 
 Why it is the single-rank result: an element of the full vocabulary's top-K is in its own shard's
 top-K (the shards are disjoint and ranked in the same order), so the merge sees it; every rank
-merges the same bytes with the same operations, so every rank builds the same tree. The one thing
-that can differ from the single-rank path is the fp32 rounding of the row's sum (it is added up in
-another order): a log-prob may move by an ulp. The two places that can show it are (a) two
-distinct logits at the K-th place that round to one log-prob, and (b) two tree paths whose scores
-tie to the ulp; the single-rank Triton kernel, which also sums by chunks, shares both.
+merges the same bytes with the same operations, so every rank builds the same tree. Two fp32
+effects of one ulp remain: the row's sum is added up in another order, so a log-prob may move by
+an ulp (a tree can show it only where two paths' scores tie to the ulp); and a shard selects by
+logit where the tree ranks by log-prob, which differ only where two distinct logits at the K-th
+place round to one log-prob. The single-rank Triton kernel, which also sums and selects by chunks
+of the vocabulary, shares both.
 
 Nothing of SGLang here: the collective is a callable with the signature of
 ``torch.distributed.all_gather_into_tensor(out, inp)`` (SGLang's ``GroupCoordinator`` has the
@@ -74,7 +75,8 @@ class VocabShard:
         if self.vocab > MAX_VOCAB:
             raise ValueError(
                 f"vocabulary {self.vocab} is larger than {MAX_VOCAB}: the sharded drafter head sends ids "
-                "as fp32, exact only up to 2^24; run the drafter head at TP 1 for this model"
+                "as fp32, exact only up to 2^24; serve this model with DDTREE at --tp-size 1, or with "
+                "--speculative-algorithm DFLASH"
             )
 
     @property
