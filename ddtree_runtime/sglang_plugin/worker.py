@@ -216,10 +216,17 @@ class DDTreeWorker(DFlashWorkerV2):
             )
         self._publish(self._ddtree_handshake.to_dict())
         super().__init__(server_args, gpu_id, nccl_port, target_worker)
-        check_tree_worker_features(settings, self)
         if not is_chain(settings):
             self._adopt_drafter_block()
+
+    def init_cuda_graphs(self) -> None:
+        """The scheduler calls this once the pools and attention backends exist (SGLang 0.5.23 builds
+        workers first, then pools, backends and graphs, the target's before the drafter's): the
+        tree checks that read them run here, before the drafter's graphs are captured."""
+        check_tree_worker_features(self.ddtree_settings, self)
+        if not is_chain(self.ddtree_settings):
             check_tree_graphs(self.target_worker.model_runner)
+        super().init_cuda_graphs()
 
     def _adopt_drafter_block(self) -> None:
         """DFlashWorkerV2 sizes its drafter block from speculative_num_draft_tokens, which for a
