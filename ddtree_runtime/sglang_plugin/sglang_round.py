@@ -4,8 +4,9 @@ builds its own (0.5.23), with the tree's width, mask and positions.
 
 Run for real in SGLang 0.5.23's own scheduler on CPU (tests/sglang/test_real_server.py, lab host
 ct131): trees token-identical to the server without speculation, batched and with requests joining a
-running batch. The GPU attention backends and CUDA graphs are not on our machines; the CPU run uses
-the lab's torch_native tree verify (docs/sglang-cpu-lab.md). Everything it hands to (tree, walk,
+running batch; the CPU run uses the lab's torch_native tree verify (docs/sglang-cpu-lab.md). On the
+H200 (the GPU lab, docs/sglang-gpu-lab.md) the target verify replays graphs captured for trees
+(``graph_sites``) with SGLang's Triton backend. Everything it hands to (tree, walk,
 commit, gather) is also tested on CPU with SGLang's real pools (tests/sglang/test_tree_decode.py).
 """
 
@@ -23,7 +24,7 @@ from sglang.srt.speculative.spec_utils import draft_tp_context
 from torch import Tensor
 
 from ddtree_runtime.sglang_plugin.draft_head import draft_head
-from ddtree_runtime.sglang_plugin.hybrid import DDTreeVerifyInput, tree_verify_branch
+from ddtree_runtime.sglang_plugin.hybrid import DDTreeVerifyInput
 from ddtree_runtime.sglang_plugin.tree_step import TreeVerifyBatch
 from ddtree_runtime.tree_types import DraftTopK
 
@@ -130,15 +131,15 @@ class SGLangRoundModels:
         if batch.seq_lens_cpu is not None:
             batch.seq_lens_cpu = batch.seq_lens_cpu + rows
             batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
-        runner = w.target_worker.model_runner
-        with tree_verify_branch(runner.attn_backend):  # GDN layers follow the tree's parents
-            forward_batch, _ = verify.prepare_for_verify(batch, w.target_worker)
-            batch.seq_lens_cpu, batch.seq_lens_sum = saved
-            # Eager verify: the captured target-verify graphs were recorded without a tree mask.
-            forward_batch.can_run_decode_cuda_graph = False
-            out = w.target_worker.forward_batch_generation(
-                batch=None, forward_batch=forward_batch, is_verify=True
-            )
+        # The batch goes into the target-verify graph's static buffers here when a graph was
+        # captured for this width and batch size (graph_sites: captured with the tree mask and
+        # the GDN tree kernels), else the attention metadata is planned eagerly: either way the
+        # forward must not plan it again (DFLASH passes the same flag, dflash_worker_v2 ~2879).
+        forward_batch, _ = verify.prepare_for_verify(batch, w.target_worker)
+        batch.seq_lens_cpu, batch.seq_lens_sum = saved
+        out = w.target_worker.forward_batch_generation(
+            batch=None, forward_batch=forward_batch, is_verify=True, skip_attn_backend_init=True
+        )
         self.last_target_out = out
         logits_output = out.logits_output
         logits = logits_output.next_token_logits
