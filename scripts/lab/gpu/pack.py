@@ -34,8 +34,16 @@ OUT = REPO / ".gpulab"
 CACHE = REPO / ".gpulab-cache"  # downloads, models, builds: reused, never carried
 WHEEL_LIST = REPO / "scripts/lab/sglang-gpu-lab/device-wheels.txt"
 LAYERS = (REPO / "scripts/lab/sglang-cpu-lab", REPO / "scripts/lab/sglang-gpu-lab")
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
-             "manylinux2014_x86_64", "manylinux1_x86_64", "manylinux_2_31_x86_64", "manylinux_2_34_x86_64")
+PLATFORMS = (
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_24_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+    "manylinux_2_31_x86_64",
+    "manylinux_2_34_x86_64",
+)
 SGLANG_SKIP = ("sglang/test/", "sglang/benchmark/", "sglang/multimodal_gen/", "__pycache__/")
 LIMIT_MIB = 60
 
@@ -50,14 +58,37 @@ def run(*argv: str, cwd: Path | None = None) -> None:
 
 def device_wheels() -> list[Path]:
     dest = CACHE / "device-wheels"
-    wanted = [line.strip() for line in WHEEL_LIST.read_text().splitlines() if line.strip() and not line.startswith("#")]
-    have = {p.name.split("-")[0].lower().replace("_", "-") for p in dest.glob("*.whl")} if dest.is_dir() else set()
+    wanted = [
+        line.strip()
+        for line in WHEEL_LIST.read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    have = (
+        {p.name.split("-")[0].lower().replace("_", "-") for p in dest.glob("*.whl")}
+        if dest.is_dir()
+        else set()
+    )
     missing = [w for w in wanted if w.split("==")[0].lower().replace("_", "-") not in have]
     if missing:
         log(f"downloading {len(missing)} py3.12 wheels")
         platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
-        run(sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
-            "3.12", "--implementation", "cp", *platforms, "-d", str(dest), *missing)
+        run(
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            "3.12",
+            "--implementation",
+            "cp",
+            *platforms,
+            "-d",
+            str(dest),
+            *missing,
+        )
     return sorted(dest.glob("*.whl"))
 
 
@@ -65,9 +96,25 @@ def project_wheels(dest: Path) -> None:
     for source in (REPO, *LAYERS):
         build = CACHE / "build" / source.name
         shutil.rmtree(build, ignore_errors=True)
-        shutil.copytree(source, build, ignore=shutil.ignore_patterns(".git", ".venv*", ".lab", ".gpulab", "*.egg-info",
-                                                                     "__pycache__", "build", "dist", "tests"))
-        run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dest), str(build))
+        shutil.copytree(
+            source,
+            build,
+            ignore=shutil.ignore_patterns(
+                ".git", ".venv*", ".lab", ".gpulab", "*.egg-info", "__pycache__", "build", "dist", "tests"
+            ),
+        )
+        run(
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(dest),
+            str(build),
+        )
 
 
 def sglang_tarball(path: Path) -> None:
@@ -77,7 +124,11 @@ def sglang_tarball(path: Path) -> None:
         for root in (site / "sglang", dist):
             for file in sorted(root.rglob("*")):
                 rel = file.relative_to(site).as_posix()
-                if file.is_dir() or file.suffix in (".so", ".pyc") or any(s in rel + "/" for s in SGLANG_SKIP):
+                if (
+                    file.is_dir()
+                    or file.suffix in (".so", ".pyc")
+                    or any(s in rel + "/" for s in SGLANG_SKIP)
+                ):
                     continue
                 tar.add(file, arcname=rel, recursive=False)
 
@@ -87,7 +138,16 @@ def models_tarball(path: Path) -> None:
     for kind in ("dense", "hybrid"):
         if not (models / kind / "draft" / "model.safetensors").is_file():
             log(f"making the lab {kind} pair")
-            run(sys.executable, "-m", "ddtree_runtime", "lab", "make-models", str(models / kind), "--kind", kind)
+            run(
+                sys.executable,
+                "-m",
+                "ddtree_runtime",
+                "lab",
+                "make-models",
+                str(models / kind),
+                "--kind",
+                kind,
+            )
     with tarfile.open(path, "w:xz") as tar:
         for kind in ("dense", "hybrid"):
             for name in ("target", "draft"):
@@ -97,10 +157,15 @@ def models_tarball(path: Path) -> None:
 def baseline(ref: str, dest: Path) -> None:
     shutil.rmtree(dest, ignore_errors=True)
     dest.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", ref, "ddtree_runtime"], check=True, capture_output=True)
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", ref, "ddtree_runtime"], check=True, capture_output=True
+    )
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
-    (dest / "REF").write_text(subprocess.run(["git", "-C", str(REPO), "rev-parse", ref], check=True,
-                                             capture_output=True, text=True).stdout)
+    (dest / "REF").write_text(
+        subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", ref], check=True, capture_output=True, text=True
+        ).stdout
+    )
 
 
 def size_mib(path: Path) -> float:
@@ -127,9 +192,15 @@ def main() -> int:
         shutil.rmtree(OUT / "baseline", ignore_errors=True)
     carried = list(OUT.iterdir())
     manifest = {p.name: round(size_mib(p), 2) for p in sorted(carried)}
-    tree = subprocess.run(["git", "-C", str(REPO), "ls-files", "-co", "--exclude-standard"], check=True,
-                          capture_output=True, text=True).stdout.split()
-    manifest["working_tree"] = round(sum((REPO / f).stat().st_size for f in tree if (REPO / f).is_file()) / 2**20, 2)
+    tree = subprocess.run(
+        ["git", "-C", str(REPO), "ls-files", "-co", "--exclude-standard"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    manifest["working_tree"] = round(
+        sum((REPO / f).stat().st_size for f in tree if (REPO / f).is_file()) / 2**20, 2
+    )
     total = sum(manifest.values())
     (OUT / "MANIFEST.json").write_text(json.dumps({"mib": manifest, "total_mib": round(total, 1)}, indent=1))
     print(json.dumps({"pack": str(OUT), "total_mib": round(total, 1), **manifest}))

@@ -8,6 +8,10 @@
   the tokens are identical (else the first difference), and how many target verifies SGLang replayed
   from a graph (``SGLANG_LOG_DECODE_GRAPH_KEY=1``) against how many ran.
 * ``probe``: ``ddtree probe live`` against each DDTREE server of the run.
+* ``bench``: ``ddtree_runtime.server_bench`` at concurrency 1, 4 and 16 on plain decoding, DFLASH and
+  DDTREE (budgets 16, 32, 64) for both pairs, one server measured at a time (the others idle with
+  ``--sleep-on-idle``), the output ids checked against the plain server's at every level, tokens/s
+  ratios against DFLASH from the same run.
 
 Servers start in two waves: the two plain servers first (they compile SGLang's run-time kernels into
 the shared cache), then every other server at once; every server is stopped by PID at the end.
@@ -105,7 +109,9 @@ def _answers(server: GpuServer, batch: int) -> tuple[list[dict[str, Any]], float
     return docs, time.monotonic() - t0
 
 
-def compare(name: str, pair: str, server: GpuServer, reference: dict[int, list[list[int]]]) -> list[dict[str, Any]]:
+def compare(
+    name: str, pair: str, server: GpuServer, reference: dict[int, list[list[int]]]
+) -> list[dict[str, Any]]:
     records = []
     for batch in (1, len(PROMPTS)):
         before = server.graph_replays()
@@ -113,7 +119,9 @@ def compare(name: str, pair: str, server: GpuServer, reference: dict[int, list[l
         replays = server.graph_replays() - before
         verify = sum(int(d["meta_info"].get("spec_verify_ct", 0) or 0) for d in docs)
         tokens = sum(int(d["meta_info"]["completion_tokens"]) for d in docs)
-        diffs = [first_difference(ref, d["output_ids"]) for ref, d in zip(reference[batch], docs, strict=True)]
+        diffs = [
+            first_difference(ref, d["output_ids"]) for ref, d in zip(reference[batch], docs, strict=True)
+        ]
         records.append({
             "case": "evidence", "pair": pair, "server": name, "batch": batch,
             "identical": sum(d is None for d in diffs), "prompts": len(PROMPTS),
@@ -179,9 +187,69 @@ def run_probe(name: str, server: GpuServer) -> None:
           "report": report})  # fmt: skip
 
 
+BENCH_LEVELS = (1, 4, 16)
+BENCH_BUDGETS = (16, 32, 64)
+
+
+def _pairs() -> tuple[str, ...]:
+    return tuple(os.environ.get("DDTREE_GPU_LAB_PAIRS", "dense hybrid").split())
+
+
+def bench_specs() -> list[Spec]:
+    idle = ["--sleep-on-idle"]
+    specs = []
+    budgets = tuple(int(b) for b in os.environ.get("DDTREE_GPU_LAB_BUDGETS", "").split()) or BENCH_BUDGETS
+    for pair in _pairs():
+        specs += [Spec(f"{pair}-plain", pair, extra=idle), Spec(f"{pair}-dflash", pair, "DFLASH", extra=idle)]
+        for budget in budgets:
+            over = {"speculative-ddtree-budget": budget}
+            specs.append(Spec(f"{pair}-ddtree-b{budget}", pair, "DDTREE", overrides=over, extra=idle))
+    return specs
+
+
+def run_bench(
+    models: Path, log_dir: Path, repeats: int = int(os.environ.get("DDTREE_GPU_LAB_REPEATS", "3"))
+) -> None:
+    from ddtree_runtime.server_bench import bench_server
+
+    servers = start_all(bench_specs(), models, log_dir)
+    try:
+        for pair in _pairs():
+            results: dict[str, dict[int, dict[str, Any]]] = {}
+            for name, server in servers.items():
+                if not name.startswith(f"{pair}-") or not isinstance(server, GpuServer):
+                    continue
+                try:
+                    results[name] = bench_server(
+                        server.url, PROMPTS, levels=BENCH_LEVELS, repeats=repeats, label=name,
+                        emit=lambda line: print(line, flush=True),
+                    )  # fmt: skip
+                except RuntimeError as exc:
+                    emit({"case": "bench", "server": name, "error": str(exc)[-1500:]})
+            ids = {
+                name: {lvl: row.pop("ids") for lvl, row in levels.items()} for name, levels in results.items()
+            }
+            plain, dflash = ids.get(f"{pair}-plain"), results.get(f"{pair}-dflash")
+            for name, levels in results.items():
+                for level, row in levels.items():
+                    same = None
+                    if plain is not None and name != f"{pair}-plain":
+                        same = sum(a == b for a, b in zip(plain[level], ids[name][level], strict=False))
+                    ratio = None
+                    if dflash is not None and dflash[level]["output_tokens_per_s"]:
+                        ratio = round(row["output_tokens_per_s"] / dflash[level]["output_tokens_per_s"], 3)
+                    emit({"case": "bench_summary", "pair": pair, "server": name, "concurrency": level,
+                          "identical_to_plain": same, "vs_dflash": ratio, **row})  # fmt: skip
+    finally:
+        for server in servers.values():
+            if isinstance(server, GpuServer):
+                server.stop()
+
+
 CASES: dict[str, Callable[[argparse.Namespace], None]] = {
     "evidence": lambda a: run_evidence(a.models, a.logs, probe=False),
     "evidence+probe": lambda a: run_evidence(a.models, a.logs, probe=True),
+    "bench": lambda a: run_bench(a.models, a.logs),
 }
 
 

@@ -37,21 +37,42 @@ class SeamMoved(RuntimeError):
 
 
 SEAMS: tuple[Seam, ...] = (
-    Seam("sglang.srt.layers.layernorm", "RMSNorm.forward_cuda", "bae8ae6279fa203d",
-         "RMSNorm on CUDA calls sgl_kernel.rmsnorm(x, w, eps) / fused_add_rmsnorm(x, residual, w, eps)",
-         "sgl_kernel_standin"),
-    Seam("sglang.srt.layers.layernorm", "GemmaRMSNorm._forward_impl", "74f6f0cb265efd4b",
-         "GemmaRMSNorm on CUDA calls sgl_kernel.gemma_rmsnorm / gemma_fused_add_rmsnorm(x, residual, w, eps)",
-         "sgl_kernel_standin"),
-    Seam("sglang.srt.model_executor.runner_backend_utils.weak_ref_tensor", "weak_ref_tensors", "0f23162ad370068f",
-         "the breakable prefill graph weak-references its outputs through sgl_kernel.weak_ref_tensor",
-         "sgl_kernel_standin"),
-    Seam("sglang.srt.layers.dual_gemm", "DualGemm._select_mode", "0f62a9ccc2919ad0",
-         "every dense MLP imports the CUTLASS-DSL dual GEMM module to ask can_use_dual_gemm (SM100 only)",
-         "cutedsl_standin"),
-    Seam("sglang.srt.speculative.dflash_utils", "is_dflash_sampling_verify_available", "dfc33a0545717023",
-         "DFLASH's sampling verify kernel compiles against flashinfer's headers; without it SGLang verifies "
-         "greedily", "sampling_fallback"),
+    Seam(
+        "sglang.srt.layers.layernorm",
+        "RMSNorm.forward_cuda",
+        "bae8ae6279fa203d",
+        "RMSNorm on CUDA calls sgl_kernel.rmsnorm(x, w, eps) / fused_add_rmsnorm(x, residual, w, eps)",
+        "sgl_kernel_standin",
+    ),
+    Seam(
+        "sglang.srt.layers.layernorm",
+        "GemmaRMSNorm._forward_impl",
+        "74f6f0cb265efd4b",
+        "GemmaRMSNorm on CUDA calls sgl_kernel.gemma_rmsnorm / gemma_fused_add_rmsnorm(x, residual, w, eps)",
+        "sgl_kernel_standin",
+    ),
+    Seam(
+        "sglang.srt.model_executor.runner_backend_utils.weak_ref_tensor",
+        "weak_ref_tensors",
+        "0f23162ad370068f",
+        "the breakable prefill graph weak-references its outputs through sgl_kernel.weak_ref_tensor",
+        "sgl_kernel_standin",
+    ),
+    Seam(
+        "sglang.srt.layers.dual_gemm",
+        "DualGemm._select_mode",
+        "0f62a9ccc2919ad0",
+        "every dense MLP imports the CUTLASS-DSL dual GEMM module to ask can_use_dual_gemm (SM100 only)",
+        "cutedsl_standin",
+    ),
+    Seam(
+        "sglang.srt.speculative.dflash_utils",
+        "is_dflash_sampling_verify_available",
+        "dfc33a0545717023",
+        "DFLASH's sampling verify kernel compiles against flashinfer's headers; without it SGLang verifies "
+        "greedily",
+        "sampling_fallback",
+    ),
 )
 
 

@@ -57,10 +57,14 @@ def repo_root() -> Path:
     for candidate in (Path.cwd(), *Path.cwd().parents):
         if (candidate / "roles/sglang_service/vars/profiles.yml").is_file():
             return candidate
-    raise FileNotFoundError("run from the project checkout (roles/sglang_service/vars/profiles.yml) or set DDTREE_REPO")
+    raise FileNotFoundError(
+        "run from the project checkout (roles/sglang_service/vars/profiles.yml) or set DDTREE_REPO"
+    )
 
 
-def profile_argv(profile: str, *, speculative: bool, hybrid: bool, overrides: dict[str, Any] | None = None) -> list[str]:
+def profile_argv(
+    profile: str, *, speculative: bool, hybrid: bool, overrides: dict[str, Any] | None = None
+) -> list[str]:
     import yaml
 
     doc = yaml.safe_load((repo_root() / "roles/sglang_service/vars/profiles.yml").read_text())
@@ -114,7 +118,9 @@ class GpuServer:
             "--enable-metrics", "--host", "127.0.0.1", "--port", str(self.port),
         ]  # fmt: skip
         self.log_path = log_dir / f"{name}.log"
-        child_env = {k: v for k, v in os.environ.items() if not k.startswith(("DDTREE_LAB_FAULT", "SGLANG_LOG"))}
+        child_env = {
+            k: v for k, v in os.environ.items() if not k.startswith(("DDTREE_LAB_FAULT", "SGLANG_LOG"))
+        }
         child_env.update({**LAB_ENV, **(env or {})})
         self.started = time.monotonic()
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -137,7 +143,9 @@ class GpuServer:
                 self.ready_seconds = round(time.monotonic() - self.started, 1)
                 return self.ready_seconds
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name}: SGLang exited {self.proc.returncode} before ready:\n{self.log[-5000:]}")
+                raise RuntimeError(
+                    f"{self.name}: SGLang exited {self.proc.returncode} before ready:\n{self.log[-5000:]}"
+                )
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"{self.name}: SGLang not ready in {timeout:g} s:\n{self.log[-5000:]}")

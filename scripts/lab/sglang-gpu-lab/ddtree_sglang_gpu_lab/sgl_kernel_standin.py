@@ -9,7 +9,8 @@ The stand-in is a package whose every name resolves (an op nobody implemented ra
 naming itself), with plain-torch versions of the ops the lab's path calls:
 
 * ``rmsnorm`` / ``fused_add_rmsnorm`` / ``gemma_rmsnorm`` / ``gemma_fused_add_rmsnorm``: what
-  ``RMSNorm.forward_native`` / ``GemmaRMSNorm.forward_native`` compute (fp32 math, one cast);
+  ``RMSNorm.forward_native`` / ``GemmaRMSNorm.forward_native`` compute (fp32 math, one cast; the residual
+  sum in fp32 for RMSNorm, in the input dtype for GemmaRMSNorm, as each does);
   ``fused_add_rmsnorm`` writes ``residual += x`` and ``x = norm(residual)`` in place, as the kernel does;
 * ``silu_and_mul``: SGLang's run-time compiled kernel serves aligned widths, this one the rest;
 * ``weak_ref_tensor``: the breakable prefill graph keeps a reference to its outputs; the tensor itself
@@ -64,7 +65,10 @@ def _normalize(x: torch.Tensor, weight: torch.Tensor, eps: float, *, gemma: bool
 
 
 def rmsnorm(
-    input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: torch.Tensor | None = None,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    out: torch.Tensor | None = None,
     enable_pdl: bool | None = None,
 ) -> torch.Tensor:
     result = _normalize(input, weight, eps, gemma=False)
@@ -75,7 +79,10 @@ def rmsnorm(
 
 
 def gemma_rmsnorm(
-    input: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, out: torch.Tensor | None = None,
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    out: torch.Tensor | None = None,
     enable_pdl: bool | None = None,
 ) -> torch.Tensor:
     result = _normalize(input, weight, eps, gemma=True)
@@ -88,7 +95,8 @@ def gemma_rmsnorm(
 def _fused_add(
     input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool
 ) -> None:
-    summed = input.float() + residual.float()
+    # As each class's forward_native adds: RMSNorm in fp32, GemmaRMSNorm in the input dtype.
+    summed = (input + residual).float() if gemma else input.float() + residual.float()
     residual.copy_(summed)
     xf = summed * torch.rsqrt(summed.pow(2).mean(dim=-1, keepdim=True) + eps)
     w = weight.float()
@@ -96,14 +104,20 @@ def _fused_add(
 
 
 def fused_add_rmsnorm(
-    input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+    input: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
     enable_pdl: bool | None = None,
 ) -> None:
     _fused_add(input, residual, weight, eps, gemma=False)
 
 
 def gemma_fused_add_rmsnorm(
-    input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+    input: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
     enable_pdl: bool | None = None,
 ) -> None:
     _fused_add(input, residual, weight, eps, gemma=True)
@@ -143,7 +157,7 @@ class StandinModule(ModuleType):
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
-        prefix = self.__name__[len(NAME) + 1:]
+        prefix = self.__name__[len(NAME) + 1 :]
         key = f"{prefix}.{name}" if prefix else name
         if key in IMPLEMENTED:
             return IMPLEMENTED[key]
