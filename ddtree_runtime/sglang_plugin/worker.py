@@ -254,7 +254,7 @@ class DDTreeWorker(DFlashWorkerV2):
         if is_chain(self.ddtree_settings):
             return super()._maybe_build_draft_sampler()
         self._adopt_drafter_block()
-        logger.info("DDTREE: no draft greedy head in the draft graph (the tree ranks the full logits).")
+        logger.info("DDTREE: no draft greedy head in the draft graph (the tree ranks every depth's top-K).")
         return None
 
     def _publish(self, handshake: dict[str, Any]) -> None:
