@@ -106,6 +106,7 @@ class TargetModel:
     multimodal: bool = False
     vision_layers: int = 0
     vision_hidden: int = 0
+    vocab_size: int = 0  # the LM head's rows (the drafter borrows it); 0 when the config names none
 
     @property
     def hybrid(self) -> bool:
@@ -351,7 +352,12 @@ def _target(path: str, config: dict[str, Any], tensors: dict[str, Any]) -> Targe
                                     "vision_config.num_hidden_layers", MAX_LAYERS) if vision else 0,
         vision_hidden=_positive_int(where, vision.get("hidden_size"), "vision_config.hidden_size")
         if vision and vision.get("hidden_size") is not None else 0,
+        vocab_size=_vocab_size(_pick(text, config, "vocab_size", 0)),
     )
+
+
+def _vocab_size(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def _draft(path: str, config: dict[str, Any], tensors: dict[str, Any], target: TargetModel) -> DraftModel:
