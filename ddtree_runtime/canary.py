@@ -240,9 +240,10 @@ def same_server(live: Side, shadow: Side) -> str | None:
         if a["ddtree_instance_id"] == b["ddtree_instance_id"]:
             return f"both report instance {a['ddtree_instance_id']}"
         return None
-    if a.get("port") is not None and a.get("port") == b.get("port") and a.get("random_seed") == b.get(
-            "random_seed"):
-        return f"both report port {a['port']} and random seed {a.get('random_seed')}"
+    # SGLang draws random_seed at start unless it is set: one port and one seed is one server.
+    if None not in (a.get("port"), a.get("random_seed")) and (a.get("port"), a.get("random_seed")) == (
+            b.get("port"), b.get("random_seed")):
+        return f"both report port {a['port']} and random seed {a['random_seed']}"
     return None
 
 
