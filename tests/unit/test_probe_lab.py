@@ -52,7 +52,7 @@ def test_healthy_ddtree_server_passes(ddtree_server: LabServerProcess, tmp_path:
     assert res.returncode == EXIT_PASS, res.stdout + res.stderr
     report = json.loads(out.read_text())
     assert report["ok"] and [c["name"] for c in report["checks"]] == [
-        "ready", "generate", "flags", "handshake", "accept_length"]
+        "ready", "generate", "flags", "handshake", "lossless", "accept_length"]
     hs = report["handshake"]
     assert hs["status"] == "ok" and hs["expected_hidden_width"] == hs["observed_hidden_width"]
     assert report["figures"]["accept_length"] > 1.5
