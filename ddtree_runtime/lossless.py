@@ -166,13 +166,13 @@ def _compare(index: int, gen: Generation, answer: Any, margin: float, tally: _Ta
     meta = answer.get("meta_info") if isinstance(answer, dict) else None
     if not isinstance(meta, dict):
         raise BadAnswer(f"{where} has no meta_info object")
+    m = len(gen.output_ids)
+    if m == 0:
+        return  # nothing emitted, nothing to check
     tokens, tops = meta.get("input_token_logprobs"), meta.get("input_top_logprobs")
     if tokens is None or tops is None:
         raise _NotChecked("the server's answer has no meta_info.input_token_logprobs / input_top_logprobs "
                           "(SGLang's return_logprob fields): it cannot say what the target would have chosen")
-    m = len(gen.output_ids)
-    if m == 0:
-        return
     if not isinstance(tokens, list) or not isinstance(tops, list) or len(tokens) < m or len(tops) < m:
         raise BadAnswer(f"{where}: input_token_logprobs / input_top_logprobs hold fewer than the {m} "
                         "positions asked for")
