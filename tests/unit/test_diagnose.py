@@ -127,7 +127,8 @@ def test_every_cause_has_a_runbook_section():
     sections = set(re.findall(r"^### (\S+)$", runbook, flags=re.M))
     assert set(CAUSES) <= sections, set(CAUSES) - sections
     for probe_cause in ("unreachable", "not_ready", "generation_failed", "empty_answer", "flags_mismatch",
-                        "handshake_pending", "acceptance_low", "server_info_unavailable", "verify_not_lossless"):
+                        "handshake_pending", "acceptance_low", "server_info_unavailable",
+                        "verify_not_lossless"):
         assert f"| `{probe_cause}` |" in runbook
 
 
