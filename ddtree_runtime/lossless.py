@@ -41,6 +41,7 @@ from ddtree_runtime import http_client
 
 DEFAULT_MARGIN = 0.5  # nats; see the module docstring
 TOP_LOGPROBS = 2  # the target's top two per position
+MAX_GAPS = 100  # gaps listed in a report (the counts cover every position)
 PASSED, FAILED, NOT_CHECKED = "passed", "failed", "not_checked"
 
 
@@ -67,12 +68,14 @@ class _Tally:
     near_ties: int = 0
     first_mismatch: dict[str, Any] | None = None
     first_near_tie: dict[str, Any] | None = None
+    gaps: list[float] | None = None  # nats below the target's top-1, of every token that is not it
 
 
 def not_checked(reason: str, margin: float = DEFAULT_MARGIN, **extra: Any) -> dict[str, Any]:
     """The report of a check that could not run, with the reason in one line."""
     return {"status": NOT_CHECKED, "reason": reason, "margin_nats": margin, "prompts": 0, "tokens_checked": 0,
-            "mismatches": 0, "near_ties": 0, "first_mismatch": None, "first_near_tie": None, **extra}
+            "mismatches": 0, "near_ties": 0, "first_mismatch": None, "first_near_tie": None, "gaps_nats": [],
+            **extra}
 
 
 def _json(body: bytes) -> Any:
@@ -158,7 +161,8 @@ def compare_answers(generations: Sequence[Generation], answers: Any, margin: flo
     return {"status": FAILED if tally.mismatches else PASSED, "reason": None, "margin_nats": margin,
             "prompts": len(generations), "tokens_checked": tally.tokens, "mismatches": tally.mismatches,
             "near_ties": tally.near_ties, "first_mismatch": tally.first_mismatch,
-            "first_near_tie": tally.first_near_tie, "per_prompt": per_prompt}
+            "first_near_tie": tally.first_near_tie, "gaps_nats": sorted(tally.gaps or [])[:MAX_GAPS],
+            "per_prompt": per_prompt}
 
 
 def _compare(index: int, gen: Generation, answer: Any, margin: float, tally: _Tally) -> None:
@@ -187,6 +191,7 @@ def _compare(index: int, gen: Generation, answer: Any, margin: float, tally: _Ta
         tally.tokens += 1
         if emitted == target or gap <= 0:
             continue
+        tally.gaps = [*(tally.gaps or []), round(gap, 5)]
         found = {"prompt": index, "position": k, "sequence_position": len(gen.prompt_ids) + k,
                  "emitted_token": emitted, "emitted_logprob": round(emitted_lp, 5), "target_token": target,
                  "target_logprob": round(target_lp, 5), "gap_nats": round(gap, 5)}
@@ -267,7 +272,8 @@ def check_lossless(base_url: str, prompts: Sequence[str | list[int]], *, max_new
          "prompts": int, "tokens_checked": int, "mismatches": int, "near_ties": int,
          "first_mismatch": {"prompt", "position", "sequence_position", "emitted_token",
                             "emitted_logprob", "target_token", "target_logprob", "gap_nats"} | None,
-         "first_near_tie": {...} | None, "per_prompt": [...], "seconds": float,
+         "first_near_tie": {...} | None, "gaps_nats": [float] (how far below the target's top-1 each
+         token that is not it lies: the near-tie margin's evidence), "per_prompt": [...], "seconds": float,
          "generations": [{"prompt_ids", "output_ids"}]}
 
     Raises http_client.HTTPFailure when the server does not answer in ``timeout`` seconds per

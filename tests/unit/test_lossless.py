@@ -62,6 +62,7 @@ def test_near_ties_within_the_margin_are_counted_not_failed():
     tops = [[(-0.4, 5), (-0.7, 3)], [(-1.0, 6), (-1.5, 2)], [(-0.8, 4), (-0.8, 9)]]
     report = compare_answers([gen], [answer(gen, tops)], margin=0.5)
     assert (report["status"], report["mismatches"], report["near_ties"]) == (PASSED, 0, 2)
+    assert report["gaps_nats"] == [pytest.approx(0.3), pytest.approx(0.5)]  # the exact tie is no gap
     assert report["first_near_tie"]["emitted_token"] == 3 and report["first_near_tie"]["target_token"] == 5
     strict = compare_answers([gen], [answer(gen, tops)], margin=0.2)
     assert (strict["status"], strict["mismatches"], strict["near_ties"]) == (FAILED, 2, 0)
