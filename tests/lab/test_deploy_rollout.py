@@ -1,7 +1,8 @@
 """deploy.yml end to end against real lab hosts: fresh deploy, no-op rerun, --check --diff, profile
-switch, and every failure the gate must stop (lab faults, a verify that is not lossless, mismatched
-drafter, port taken, unknown profile, a host going down) with the previous service left running
-byte-identical.
+switch, and every failure the gate must stop (lab faults, mismatched drafter, port taken, unknown
+profile, a host going down) with the previous service left running byte-identical. A verify that is not
+lossless is rolled back on the real server (tests/lab/test_real_sglang_lab.py, relaxed_accept; the lab
+engine's switch is named by the probe in tests/unit/test_probe_lab.py).
 
 One lab for the whole module (the session's `lab` fixture), one release venv installed per host:
 the package sources are frozen at the start so every run deploys the same release. Tests run in
@@ -226,9 +227,6 @@ FAILURES = [
      "hidden_width_mismatch", True),
     ("hidden_none", {"sglang_extra_env": {"DDTREE_LAB_FAULT": "hidden_none"}}, "hidden_states_missing", True),
     ("crash_after_start", {"sglang_extra_env": {"DDTREE_LAB_FAULT": "crash_after_start"}}, "crash", True),
-    # fluent answers, acceptance above the gate's minimum: only the lossless check fails it
-    ("relaxed_accept", {"sglang_extra_env": {"DDTREE_LAB_FAULT": "relaxed_accept"}}, "verify_not_lossless",
-     True),
     ("slow_start", {"sglang_extra_env": {"DDTREE_LAB_FAULT": "slow_start", "DDTREE_LAB_START_DELAY_S": "120"},
                     "sglang_service_ready_timeout": 15}, "start_timeout", True),
     ("mem_fraction_too_small", {"sglang_extra_env": {"DDTREE_LAB_DEVICE_MEMORY_MB": "4"}},
