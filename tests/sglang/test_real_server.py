@@ -240,6 +240,18 @@ def test_logprob_requests_decode_and_score_each_token_as_the_plain_server(ddtree
     report("ddtree_logprobs", tokens=len(gaps), max_gap=round(max(gaps), 5))
 
 
+def test_a_grammar_request_is_refused_with_the_reason_and_the_server_serves_on(ddtree):
+    """In a tree batch it raised in tree decode, and the exception ended the scheduler."""
+    payload = {
+        "text": PROMPTS[1],
+        "sampling_params": {"temperature": 0, "max_new_tokens": 8, "regex": "(cat|dog)+"},
+    }
+    status, doc = ddtree.request("/generate", payload)
+    assert "grammar-constrained" in json.dumps(doc), (status, doc)
+    assert ddtree.generate(PROMPTS[1], 8)["meta_info"]["completion_tokens"] == 8  # the scheduler lives
+    report("ddtree_grammar_refused", status=status)
+
+
 def test_sampling_and_chat_answer(ddtree):
     answer = ddtree.generate("the cat sees", 24, temperature=0.8, top_p=0.9)
     assert answer["meta_info"]["completion_tokens"] == 24
