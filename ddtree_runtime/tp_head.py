@@ -5,18 +5,18 @@ Per rank (:func:`shard_topk`): the fp32 logits of its shard ``[N, V_r]``; their 
 descending, id ascending) under GLOBAL ids; the shard's max (the first of them) and its sum of
 ``exp(x - max)``. One all-gather of the packed ``[N, 2K + 1]`` fp32 buffer (:func:`pack`: K
 logits, K ids, the sum; ids are exact in fp32 up to 2^24). The same merge on every rank
-(:func:`merge`): the row's max and sum from the shards', every candidate's log-prob by the formula
-the single-rank path uses, ``(x - max) - log(sum)``, and the top-K of the world x K candidates by
-(log-prob descending, id ascending): a :class:`DraftTopK` the tree build reads directly.
+(:func:`merge`): the top-K of the world x K candidates by (logit descending, id ascending), the
+row's max and sum from the shards', and each kept candidate's log-prob by the formula the
+single-rank path uses, ``(x - max) - log(sum)``: a :class:`DraftTopK` the tree build reads directly.
 
 Why it is the single-rank result: an element of the full vocabulary's top-K is in its own shard's
-top-K (the shards are disjoint and ranked in the same order), so the merge sees it; every rank
-merges the same bytes with the same operations, so every rank builds the same tree. Two fp32
-effects of one ulp remain: the row's sum is added up in another order, so a log-prob may move by
-an ulp (a tree can show it only where two paths' scores tie to the ulp); and a shard selects by
-logit where the tree ranks by log-prob, which differ only where two distinct logits at the K-th
-place round to one log-prob. The single-rank Triton kernel, which also sums and selects by chunks
-of the vocabulary, shares both.
+top-K (the shards are disjoint and ranked in the same order, by logit), so the merge sees it; the
+ids and their order depend on the logits alone, so they are the single-rank path's exactly. Every
+rank merges the same bytes with the same operations, so every rank builds the same tree. One fp32
+effect remains: the row's sum is added up in another order, so a log-prob may move by an ulp (a
+tree can show it only where two paths' scores tie to the ulp). Ranking by the rounded log-prob,
+as before 2026-12-02, let that ulp reorder ids: two logits an ulp apart round to one log-prob on
+one path and not on the other (H200, K = 1023, V = 248320: a few rows in a hundred).
 
 Nothing of SGLang here: the collective is a callable with the signature of
 ``torch.distributed.all_gather_into_tensor(out, inp)`` (SGLang's ``GroupCoordinator`` has the
@@ -159,10 +159,10 @@ def exchange(packed: Tensor, world: int, all_gather: AllGather) -> Tensor:
     return out
 
 
-def _order_key(log_probs: Tensor, ids: Tensor) -> Tensor:
-    """int64 keys whose descending order is (log-prob descending, id ascending): the float's
+def _order_key(values: Tensor, ids: Tensor) -> Tensor:
+    """int64 keys whose descending order is (value descending, id ascending): the float's
     order-preserving bits (-0.0 folded onto +0.0) above the inverted id (as kernels/topk.py)."""
-    bits = (log_probs + 0.0).view(torch.int32).to(torch.int64)
+    bits = (values + 0.0).view(torch.int32).to(torch.int64)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     return ordered * (1 << 32) + (0xFFFFFFFF - ids)
 
@@ -182,12 +182,13 @@ def merge(gathered: Tensor, world: int, k: int) -> DraftTopK:
     safe = torch.where(torch.isneginf(top), torch.zeros_like(top), top)
     total = (sums * torch.exp(shard_max - safe)).sum(dim=0)  # the shards' sums, rescaled to `top`
     log_sum = torch.log(total)
-    log_probs = (values - top[:, None]) - log_sum[:, None]  # (x - max) - log(sum), as log_softmax
     n = top.shape[0]
-    log_probs = log_probs.permute(1, 0, 2).reshape(n, world * width)
+    values = values.permute(1, 0, 2).reshape(n, world * width)
     ids = ids.permute(1, 0, 2).reshape(n, world * width)
-    best = torch.topk(_order_key(log_probs, ids), k, dim=-1, sorted=True).indices  # unique keys
-    return DraftTopK(log_probs=log_probs.gather(1, best), ids=ids.gather(1, best), logsumexp=top + log_sum)
+    # By the logit, not the rounded log-prob (see the module doc); the keys are unique (ids are).
+    best = torch.topk(_order_key(values, ids), k, dim=-1, sorted=True).indices
+    log_probs = (values.gather(1, best) - top[:, None]) - log_sum[:, None]  # (x - max) - log(sum)
+    return DraftTopK(log_probs=log_probs, ids=ids.gather(1, best), logsumexp=top + log_sum)
 
 
 def sharded_topk(

@@ -83,11 +83,16 @@ def _kernel_for(name: str, tensor: Any) -> Callable[..., Any] | None:
 def topk_log_probs(draft_logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Top-``k`` fp32 log-probabilities per depth over the FULL vocabulary, sorted descending.
 
-    The order is (log-prob descending, token id ascending), also at the cut: among tokens tied
-    with the k-th value the lowest ids are taken. So ranks (and thus the tree) are deterministic
-    whatever ``torch.topk`` does with ties.
+    The order is (logit descending, token id ascending), also at the cut: among tokens tied
+    with the k-th logit the lowest ids are taken. That is log-prob order, except where two logits
+    an ulp apart round to one fp32 log-prob; whether they do depends on the last bit of the row's
+    log(sum), which the kernel's chunks and a TP head's shards add up in other orders, so ranking
+    by the rounded log-prob made the ids depend on the path. The log-probs stay non-increasing.
+    Ranks (and thus the tree) are deterministic whatever ``torch.topk`` does with ties.
     """
-    return stable_topk(torch.log_softmax(draft_logits.float(), dim=-1), k)
+    x = draft_logits.float()
+    _, ids = stable_topk(x, k)
+    return torch.log_softmax(x, dim=-1).gather(-1, ids), ids
 
 
 def stable_topk(values: Tensor, k: int) -> tuple[Tensor, Tensor]:

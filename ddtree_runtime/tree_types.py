@@ -33,7 +33,7 @@ __all__ = [
 @dataclass(frozen=True)
 class DraftTopK:
     """What the tree build reads of the drafter's per-depth distribution: each row's top-K
-    log-probabilities over the FULL vocabulary, in the order (log-prob descending, id ascending),
+    log-probabilities over the FULL vocabulary, in the order (logit descending, id ascending),
     and the row's logsumexp. Made from full logits (``tree.topk_log_probs``) or merged over a
     vocabulary-parallel head (``ddtree_runtime.tp_head``) without the ``[rows, V]`` logits.
     """

@@ -14,12 +14,18 @@ over a row costs a few us. So nothing here sorts more than 4 K <= 512 keys:
 2. ``_gather_kernel``, one program per row: the row's logsumexp from the chunks' (max, sum-exp);
    tau = the highest chunk bound (the row's K-th key is above it); the chunks' keys above tau
    compacted into one candidate list.
-3. ``_rank_kernel``, grid (row, P): every candidate's log-prob, and its rank among the row's
-   candidates by (log-prob descending, id ascending), counted pairwise; rank < k is written to
-   its place. Ranks are unique (ids are), so the output is exactly the stable order. With
-   ``RAW`` (a vocabulary shard's top-K under tensor parallelism, ``ddtree_runtime.tp_head``) it
-   ranks and writes the logits themselves, by (logit descending, id ascending), and the row's
-   max and sum-exp are the rest of the output.
+3. ``_rank_kernel``, grid (row, P): every candidate's rank among the row's candidates by its
+   key, (logit descending, id ascending), counted pairwise; rank < k writes its log-prob to its
+   place. Ranks are unique (ids are), so the output is exactly the stable order. With ``RAW`` (a
+   vocabulary shard's top-K under tensor parallelism, ``ddtree_runtime.tp_head``) it writes the
+   logits themselves, and the row's max and sum-exp are the rest of the output.
+
+Why rank by the logit and not by the rounded log-prob: log-prob order is logit order, except that
+two logits an ulp apart can round to one fp32 log-prob, and whether they do depends on the last
+bit of log(sum), i.e. on the order the sum was added up in (chunks here, shards under TP). With
+the log-prob's tie to the lower id, the top-K's order, and at the cut its ids, then depended on
+that bit: at K = 1023 over V = 248320 a few rows in a hundred (H200, 2026-12-02). The logit's
+order depends on nothing computed, so every path ranks alike; the log-probs stay non-increasing.
 
 Keys are int64: order-preserving float bits, then the inverted id, so one integer comparison
 orders by value and then by lower id. The log-prob is ``(x - max) - log(sum)`` in fp32 as
@@ -235,13 +241,12 @@ def _gather_kernel(
 
 
 @triton.jit
-def _lp_key(key, m, log_sum, RAW: tl.constexpr):
-    """(ranking key, value written, id): the log-prob's key, or with RAW the logit's own."""
+def _written(key, m, log_sum, RAW: tl.constexpr):
+    """(value written, id) of a candidate key: its log-prob, or with RAW its logit."""
     x, ids = _decode(key)
     if RAW:
-        return key, x, ids
-    lp = (x - m) - log_sum
-    return tl.where(key == _PAD_KEY, _PAD_KEY, _encode(lp, ids)), lp, ids
+        return x, ids
+    return (x - m) - log_sum, ids
 
 
 @triton.jit
@@ -266,11 +271,12 @@ def _rank_kernel(
     cand = cand_ptr + row * cand_stride
     for i0 in range(part * BI, n, parts * BI):
         i = i0 + tl.arange(0, BI)
-        ki, lp, ids = _lp_key(tl.load(cand + i, mask=i < n, other=_PAD_KEY), m, log_sum, RAW)
+        ki = tl.load(cand + i, mask=i < n, other=_PAD_KEY)
+        lp, ids = _written(ki, m, log_sum, RAW)
         rank = tl.zeros([BI], tl.int32)
-        for j0 in range(0, n, BJ):
+        for j0 in range(0, n, BJ):  # by the logit's key, in both modes (see the module doc)
             j = j0 + tl.arange(0, BJ)
-            kj, _, _ = _lp_key(tl.load(cand + j, mask=j < n, other=_PAD_KEY), m, log_sum, RAW)
+            kj = tl.load(cand + j, mask=j < n, other=_PAD_KEY)
             rank += tl.sum((kj[None, :] > ki[:, None]).to(tl.int32), axis=1)
         ok = (i < n) & (rank < k)
         tl.store(lp_ptr + row * k + rank, lp, mask=ok)

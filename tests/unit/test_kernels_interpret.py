@@ -53,10 +53,11 @@ def assert_same(a, b, what: str = "") -> None:
 
 
 def stable_topk(logits, k):
-    """The intended order: log-prob descending, equal log-probs by ascending id, over the full vocab."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    order = torch.sort(lp, dim=-1, descending=True, stable=True)
-    return order.values[..., :k], order.indices[..., :k]
+    """The intended order: logit descending, equal logits by ascending id, over the full vocab;
+    the values are those ids' fp32 log-probs."""
+    x = logits.float()
+    ids = torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
+    return torch.log_softmax(x, dim=-1).gather(-1, ids), ids
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,6 +170,44 @@ def test_sharded_head_with_the_kernel_builds_the_single_rank_tree():
     assert torch.equal(top.ids, tree.topk_log_probs(logits, budget)[1])
     assert_same(tree.build_tree_from_topk(top, budget), tree.build_tree(logits, budget), "tree")
     assert_same(kernels.build_tree_from_topk(top, budget), tree.build_tree(logits, budget), "kernel tree")
+
+
+def test_logits_an_ulp_apart_rank_by_logit_on_every_path():
+    """The H200 finding of 2026-12-02 (K = 1023, V = 248320: sharded ids != single-rank ids): two
+    logits an ulp apart can round to one fp32 log-prob, and whether they do depends on the last bit
+    of log(sum), i.e. on the summation order (the kernel's chunks, a TP head's shards). Ranked by the
+    rounded log-prob with ties to the lower id, the order, and at the cut the ids, followed that
+    bit. Here every pair rounds to one log-prob, the higher logit on the higher id, the cut inside
+    the last pair: every path must give the logit order and one tree."""
+    from ddtree_runtime.kernels.topk import topk_log_probs
+    from ddtree_runtime.tp_head import VocabShard, merge, pack, shard_topk
+
+    gen = torch.Generator().manual_seed(25)
+    v, k, pairs = 2501, 25, 13
+    logits = torch.randn((1, 3, v), generator=gen) * 0.1 - 2.0  # the mass: log(sum) ~ 6
+    lo = torch.arange(pairs) * 7 + 100  # shard 0
+    hi = torch.arange(pairs) * 5 + 1300  # shard 1: higher ids, logits one ulp higher
+    base = 0.5 + 0.03 * torch.arange(pairs, dtype=torch.float32)  # ulp 6e-8; the log-prob's 5e-7
+    logits[..., lo] = base
+    logits[..., hi] = torch.nextafter(base, torch.tensor(float("inf")))
+    lp = torch.log_softmax(logits, -1)
+    assert (lp[..., lo] == lp[..., hi]).sum() >= pairs, "the pairs must tie as fp32 log-probs"
+    want_ids = torch.sort(logits, dim=-1, descending=True, stable=True).indices[..., :k]
+    assert torch.equal(want_ids[..., -1], hi[0].expand(1, 3)), "the cut between the last pair's ids"
+
+    flat = logits.reshape(-1, v)
+    shards = [VocabShard(0, 1280, v), VocabShard(1280, v - 1280, v)]
+    got = {"plain": tree.topk_log_probs(logits, k), "kernel": topk_log_probs(logits, k)}
+    for kernel in (False, True):
+        bufs = [pack(*shard_topk(flat[:, s.start : s.start + s.num], s, k, kernel=kernel)) for s in shards]
+        top = merge(torch.cat(bufs), 2, k).reshape(1, 3)
+        got[f"sharded kernel={kernel}"] = (top.log_probs, top.ids)
+    for name, (lps, ids) in got.items():
+        assert torch.equal(ids, want_ids), f"{name}: ids {ids[0, 0].tolist()} != logit order {want_ids[0, 0].tolist()}"
+        assert bool((lps[..., 1:] <= lps[..., :-1]).all()), f"{name}: log-probs must not increase"
+    want = tree.build_tree(logits, k)
+    assert_same(kernels.build_tree(logits, k), want, "kernel tree")
+    assert_same(tree.build_tree_from_topk(top, k), want, "sharded tree")
 
 
 def test_tp_head_bench_runs_its_checks_on_the_cpu(capsys):

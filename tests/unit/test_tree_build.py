@@ -196,9 +196,10 @@ def test_bruteforce_optimality_tiny_vocab() -> None:
         vocab, horizon, budget = rng.randint(2, 6), rng.randint(1, 4), rng.randint(1, 10)
         logits = _random_logits(rng, 1, horizon, vocab, rng.random() < 0.4)
         lp = torch.log_softmax(logits[0].float(), -1)
-        # rank of each token per depth: log-prob descending, token id ascending (the documented order)
+        # rank of each token per depth: logit descending, token id ascending (the documented order)
+        x0 = logits[0].float()
         rank = [
-            {tok: r for r, tok in enumerate(sorted(range(vocab), key=lambda x, d=d: (-float(lp[d, x]), x)))}
+            {tok: r for r, tok in enumerate(sorted(range(vocab), key=lambda x, d=d: (-float(x0[d, x]), x)))}
             for d in range(horizon)
         ]
         prefixes = _all_prefixes(lp)
