@@ -24,8 +24,9 @@ Why rank by the logit and not by the rounded log-prob: log-prob order is logit o
 two logits an ulp apart can round to one fp32 log-prob, and whether they do depends on the last
 bit of log(sum), i.e. on the order the sum was added up in (chunks here, shards under TP). With
 the log-prob's tie to the lower id, the top-K's order, and at the cut its ids, then depended on
-that bit: at K = 1023 over V = 248320 a few rows in a hundred (H200, 2026-12-02). The logit's
-order depends on nothing computed, so every path ranks alike; the log-probs stay non-increasing.
+that bit (the H200 run of 2026-12-02 at K = 1023, V = 248320: sharded ids != these). The
+logit's order depends on nothing computed, so every path ranks alike, and the log-probs, rounded
+monotonically, stay non-increasing along it.
 
 Keys are int64: order-preserving float bits, then the inverted id, so one integer comparison
 orders by value and then by lower id. The log-prob is ``(x - max) - log(sum)`` in fp32 as

@@ -11,7 +11,9 @@ N = batch x 15 depth rows (Qwen3.6-27B-DFlash, block 16), V = 248320. The collec
 GPUs: their bytes are printed (arithmetic, ``tp_head_cost``), not timed; on one GPU the other
 rank's buffer is computed up front and the all-gather's output holds it. Checks per case: the tree
 from the merge = the single-rank kernel tree over the full vocabulary (node for node), the merged
-ids = the single-rank top-K ids, and a CUDA-graph replay of the after-path = its eager result.
+ids = the single-rank top-K ids, both = torch's stable sort of the logits (the order both must
+give: logit descending, id ascending; it tells which side is wrong), and a CUDA-graph replay of
+the after-path = its eager result.
 Times are CUDA-graph replays (median, us); eager medians beside them.
 
     python scripts/kernels/tp_head_bench.py                            # CUDA, < 60 s
@@ -129,6 +131,12 @@ def bench_case(batch: int, k: int, world: int, vocab: int, horizon: int, iters: 
         "trees_equal": _same_tree(got, want),
         "topk_ids_equal": bool(torch.equal(top.ids, want_ids)),
     }
+    reference = torch.sort(draft, dim=-1, descending=True, stable=True).indices[..., :k]
+    row["reference_ids_equal"] = {
+        "single_rank": bool(torch.equal(want_ids, reference)),
+        "sharded": bool(torch.equal(top.ids, reference)),
+    }
+    del reference
     if cuda:
         graph_top, _graph = _captured(after)
         row["graph_replay_equal"] = bool(
@@ -201,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             row = bench_case(batch, k, args.tp, vocab, horizon, iters, cuda)
             row["seconds_so_far"] = round(time.monotonic() - started, 1)
             ok = ok and row["trees_equal"] and row["topk_ids_equal"] and row.get("graph_replay_equal", True)
+            ok = ok and all(row["reference_ids_equal"].values())
             print(json.dumps(row), flush=True)
             if cuda:
                 torch.cuda.empty_cache()
