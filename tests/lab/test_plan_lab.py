@@ -18,7 +18,9 @@ import pytest
 
 from tests.fixtures_models import write_full_checkpoint_pair
 
-pytestmark = pytest.mark.lab
+# One worker runs the lab-engine group's modules in file order on one lab (tests/conftest.py): they
+# share what a module deploys on ct129/ct130 (the same build A installs once).
+pytestmark = [pytest.mark.lab, pytest.mark.xdist_group("lab-engine")]
 
 HOST = "ct129"
 REMOTE = "/srv/ddtree-plan-test"

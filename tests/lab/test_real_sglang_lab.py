@@ -23,7 +23,8 @@ import pytest
 
 from tests.lab.conftest import REAL_SGLANG_HOST, REPO, LabHandle
 
-pytestmark = pytest.mark.lab
+# A group of its own (tests/conftest.py): it runs beside the lab-engine group, on another worker's lab.
+pytestmark = [pytest.mark.lab, pytest.mark.xdist_group("lab-real-sglang")]
 
 HOST = REAL_SGLANG_HOST
 UNIT = "sglang-qwen"
