@@ -19,31 +19,46 @@ if importlib.util.find_spec("torch") is not None:
     import torch._dynamo  # noqa: F401
 
 
-# --- parallel run (issue 24): scripts/test.sh runs pytest-xdist with --dist loadgroup --no-loadscope-reorder.
-# The unit of scheduling is a group, run whole, in file order, by one worker: a module by default (its
-# module fixtures are set up once), or the `xdist_group` a module names, for suites that share a lab
-# world (tests/lab: one deploy serves every module of the group). Each worker has a lab of its own
-# (tests/lab/conftest.py), so groups on different workers never share hosts.
-# Groups start longest first (docs/ci-time.md has the figures): a long group started last would
-# leave the other worker idle at the end. Every other group follows in collection order.
-LONGEST_FIRST = (
-    "lab-engine",  # tests/lab: canary, deploy rollout, fleet, plan on ct129/ct130
-    "lab-real-sglang",  # tests/lab/test_real_sglang_lab.py on ct131
-    "tests/sglang/test_real_server.py",
-)
+# --- parallel run (issue 24): scripts/test.sh runs pytest-xdist (-n N --dist loadgroup
+# --no-loadscope-reorder). The unit of scheduling is a group, run whole, in file order, by one worker:
+# a module (its module fixtures are set up once), or the modules named together in SHARED_WORLDS, which
+# share what they deploy on one lab (tests/lab: build A installed once on ct129/ct130 serves them all).
+# Each worker has a lab of its own (tests/lab/conftest.py), so groups on different workers never share
+# hosts. The groups reach xdist through this scheduler, not xdist_group marks: xdist 3.8 marks a group
+# by rewriting `item._nodeid`, which pytest 9 no longer reads, so its loadgroup silently runs every
+# test on its own.
+SHARED_WORLDS = {
+    "tests/lab/test_canary_lab.py": "lab-engine",
+    "tests/lab/test_deploy_rollout.py": "lab-engine",
+    "tests/lab/test_fleet_lab.py": "lab-engine",
+    "tests/lab/test_plan_lab.py": "lab-engine",
+}
+# Groups start longest first (docs/ci-time.md has the figures): a long group started last would leave the
+# other worker idle at the end. Every other group follows in collection order.
+LONGEST_FIRST = ("lab-engine", "tests/lab/test_real_sglang_lab.py", "tests/sglang/test_real_server.py")
 
 
-def _group(item: pytest.Item) -> str:
-    mark = item.get_closest_marker("xdist_group")
-    if mark is not None:
-        return mark.args[0] if mark.args else mark.kwargs.get("name", "default")
-    return item.nodeid.split("::", 1)[0]
+def group_of(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return SHARED_WORLDS.get(path, path)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks (it runs in every worker)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(_group(item)))
+    # Every worker sorts the same collection the same way, as xdist requires.
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(_group(item), len(rank)))  # stable: file order kept within
+    items.sort(key=lambda item: rank.get(group_of(item.nodeid), len(rank)))  # stable: file order kept
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: absent without it (-p no:xdist)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorldScheduling(LoadScopeScheduling):
+        """loadscope's scheduling (a scope runs whole on one worker), with the groups above as scopes."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return WorldScheduling(config, log)

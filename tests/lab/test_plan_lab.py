@@ -18,9 +18,9 @@ import pytest
 
 from tests.fixtures_models import write_full_checkpoint_pair
 
-# One worker runs the lab-engine group's modules in file order on one lab (tests/conftest.py): they
-# share what a module deploys on ct129/ct130 (the same build A installs once).
-pytestmark = [pytest.mark.lab, pytest.mark.xdist_group("lab-engine")]
+# In a parallel run, one worker runs this module with the rest of tests/conftest.py's lab-engine group, in
+# file order on one lab: they share what a module deploys on ct129/ct130 (build A installs once).
+pytestmark = pytest.mark.lab
 
 HOST = "ct129"
 REMOTE = "/srv/ddtree-plan-test"

@@ -23,8 +23,7 @@ import pytest
 
 from tests.lab.conftest import REAL_SGLANG_HOST, REPO, LabHandle
 
-# A group of its own (tests/conftest.py): it runs beside the lab-engine group, on another worker's lab.
-pytestmark = [pytest.mark.lab, pytest.mark.xdist_group("lab-real-sglang")]
+pytestmark = pytest.mark.lab
 
 HOST = REAL_SGLANG_HOST
 UNIT = "sglang-qwen"

@@ -3,7 +3,6 @@ a group runs whole and in file order, and the longest groups start first (docs/c
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,55 +42,93 @@ def test_without_xdist_the_lab_is_the_named_one_and_long_names_still_fit(monkeyp
 
 
 @dataclass
-class FakeItem:
-    """What the hook reads of a pytest item: the node id and its xdist_group mark."""
-
+class Item:
     nodeid: str
-    group: str | None = None
-    marks: list[pytest.Mark] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if self.group is not None:
-            self.marks.append(pytest.mark.xdist_group(self.group).mark)
-
-    def get_closest_marker(self, name: str) -> pytest.Mark | None:
-        return next((m for m in self.marks if m.name == name), None)
-
-    def add_marker(self, marker: pytest.MarkDecorator) -> None:
-        self.marks.append(marker.mark)
 
 
-def test_groups_run_whole_in_file_order_and_the_longest_first() -> None:
-    items = [
-        FakeItem("tests/unit/test_a.py::test_1"),
-        FakeItem("tests/unit/test_a.py::test_2"),
-        FakeItem("tests/lab/test_canary_lab.py::test_1", "lab-engine"),
-        FakeItem("tests/lab/test_canary_lab.py::test_2", "lab-engine"),
-        FakeItem("tests/lab/test_lab_hosts.py::test_1"),
-        FakeItem("tests/lab/test_real_sglang_lab.py::test_1", "lab-real-sglang"),
-        FakeItem("tests/lab/test_deploy_rollout.py::test_1", "lab-engine"),
-        FakeItem("tests/sglang/test_real_server.py::test_1"),
-    ]
+@dataclass(eq=False)  # hashed by identity, as xdist's scheduler keys its workers
+class Worker:
+    """What xdist's scheduler drives: a worker that is sent test indexes and told to shut down."""
+
+    name: str
+    queue: list[int] = field(default_factory=list)
+    ran: list[str] = field(default_factory=list)
+    shutting_down: bool = False
+
+    @property
+    def gateway(self) -> object:
+        return type("Gateway", (), {"id": self.name})()
+
+    def send_runtest_some(self, indexes: list[int]) -> None:
+        self.queue += indexes
+
+    def shutdown(self) -> None:
+        self.shutting_down = True
+
+
+class Config:
+    """The options scripts/test.sh gives: -n 2 --dist loadgroup --no-loadscope-reorder."""
+
+    option = type("Option", (), {"loadscopereorder": False})()
+
+    def getvalue(self, name: str) -> object:
+        return {"dist": "loadgroup", "tx": ["2*popen"]}[name]
+
+
+COLLECTED = [  # in collection order, as every worker collects them
+    "tests/lab/test_canary_lab.py::test_1",
+    "tests/lab/test_canary_lab.py::test_2",
+    "tests/lab/test_deploy_rollout.py::test_1",
+    "tests/lab/test_lab_hosts.py::test_1",
+    "tests/lab/test_plan_lab.py::test_1",
+    "tests/lab/test_real_sglang_lab.py::test_1",
+    "tests/lab/test_real_sglang_lab.py::test_2",
+    "tests/sglang/test_real_server.py::test_1",
+    "tests/unit/test_a.py::test_1",
+    "tests/unit/test_a.py::test_2",
+    "tests/unit/test_b.py::test_1",
+]
+
+
+def test_the_longest_groups_start_first_and_each_runs_whole_on_one_worker_in_file_order() -> None:
+    pytest.importorskip("xdist")
+    items = [Item(nodeid) for nodeid in COLLECTED]
     top.pytest_collection_modifyitems(None, items)  # type: ignore[arg-type]
-    order = [(item.nodeid, item.get_closest_marker("xdist_group").args[0]) for item in items]
-    assert order == [
-        ("tests/lab/test_canary_lab.py::test_1", "lab-engine"),
-        ("tests/lab/test_canary_lab.py::test_2", "lab-engine"),
-        ("tests/lab/test_deploy_rollout.py::test_1", "lab-engine"),
-        ("tests/lab/test_real_sglang_lab.py::test_1", "lab-real-sglang"),
-        ("tests/sglang/test_real_server.py::test_1", "tests/sglang/test_real_server.py"),
-        ("tests/unit/test_a.py::test_1", "tests/unit/test_a.py"),
-        ("tests/unit/test_a.py::test_2", "tests/unit/test_a.py"),
-        ("tests/lab/test_lab_hosts.py::test_1", "tests/lab/test_lab_hosts.py"),
-    ]
+    collection = [item.nodeid for item in items]
+    assert collection[:5] == [
+        "tests/lab/test_canary_lab.py::test_1", "tests/lab/test_canary_lab.py::test_2",
+        "tests/lab/test_deploy_rollout.py::test_1", "tests/lab/test_plan_lab.py::test_1",
+        "tests/lab/test_real_sglang_lab.py::test_1",
+    ]  # fmt: skip
+
+    scheduler = top.pytest_xdist_make_scheduler(Config(), None)  # type: ignore[arg-type]
+    workers = [Worker("gw0"), Worker("gw1")]
+    for worker in workers:
+        scheduler.add_node(worker)
+        scheduler.add_node_collection(worker, collection)
+    scheduler.schedule()
+    while any(w.queue for w in workers):  # gw1 runs its tests twice as fast, test by test
+        for worker in [workers[1], workers[1], workers[0]]:
+            if worker.queue:
+                index = worker.queue.pop(0)
+                worker.ran.append(collection[index])
+                scheduler.mark_test_complete(worker, index)
+    assert sorted(n for w in workers for n in w.ran) == sorted(COLLECTED)  # every test, once
+    gw0, gw1 = workers
+    # The lab-engine group went whole to the first worker, in file order; the real-SGLang lab to the other.
+    assert gw0.ran[:4] == collection[:4]
+    assert gw1.ran[:2] == collection[4:6]
+    for group in {top.group_of(n) for n in COLLECTED}:
+        where = {w.name for w in workers for n in w.ran if top.group_of(n) == group}
+        assert len(where) == 1, f"{group} ran on {sorted(where)}"
+        ran = [n for w in workers for n in w.ran if top.group_of(n) == group]
+        assert ran == [n for n in collection if top.group_of(n) == group], f"{group} ran out of order"
 
 
-def test_each_longest_first_group_is_one_the_suite_has() -> None:
-    """A renamed module or group would silently lose its early start."""
-    declared = {
-        m.group(1)
-        for path in (REPO / "tests").rglob("test_*.py")
-        for m in re.finditer(r'xdist_group\("([^"]+)"\)', path.read_text())
-    }
+def test_each_grouped_or_early_module_is_one_the_suite_has() -> None:
+    """A renamed module would silently lose its group (a second lab world) or its early start."""
+    for path in top.SHARED_WORLDS:
+        assert (REPO / path).is_file(), f"SHARED_WORLDS names {path}: no such module"
+    groups = set(top.SHARED_WORLDS.values())
     for group in top.LONGEST_FIRST:
-        assert group in declared or (REPO / group).is_file(), f"{group}: no module declares or is it"
+        assert group in groups or (REPO / group).is_file(), f"LONGEST_FIRST names {group}: no such group"
