@@ -125,6 +125,15 @@ _RULES: tuple[_Rule, ...] = (
         "promote this build",
     ),
     _Rule(
+        "verify_not_lossless",
+        _rx(r"\bverify_not_lossless\b", r"speculative verify is not lossless"),
+        "the live probe found emitted tokens that are not the target's own greedy choice (its prefill of "
+        "prompt + answer disagrees beyond the near-tie margin): the speculative verify changes the output",
+        "the build is broken (tree mask, KV/state commit, acceptance rule or a captured graph): "
+        "ansible-playbook ansible/rollback.yml -l HOST and do not promote it; the first mismatch is in "
+        "figures.lossless of /var/lib/ddtree/probe/UNIT.json (docs/runbook.md#verify_not_lossless)",
+    ),
+    _Rule(
         "port_in_use",
         _rx(r"Address already in use", r"\[Errno 98\]"),
         "the server port is taken, often by a leftover SGLang process of an earlier start",

@@ -167,9 +167,10 @@ class LabServer:
 
     # ------------------------------------------------------------------ scheduling
 
-    def submit(self, prompts: list[list[int]], params: list, *, timeout: float | None = None) -> Job:
+    def submit(self, prompts: list[list[int]], params: list, *, timeout: float | None = None,
+               logprobs: list | None = None) -> Job:
         """Queue a job for the scheduler and wait for its answer (job.done is unset after a timeout)."""
-        job = Job(prompts, params)
+        job = Job(prompts, params, logprobs)
         self.jobs.put(job)
         job.done.wait(timeout)
         return job
@@ -237,7 +238,8 @@ class LabServer:
         for job in jobs:
             job.results = [None] * len(job.prompts)
             job.remaining = len(job.prompts)
-            reqs = batch.admit(job.prompts, job.params, [(job, i) for i in range(len(job.prompts))])
+            reqs = batch.admit(job.prompts, job.params, [(job, i) for i in range(len(job.prompts))],
+                               job.logprobs)
             for req in reqs:
                 if req.params.max_new_tokens == 0:  # never joins the batch: answered at once
                     self._finish(req)

@@ -6,7 +6,8 @@ flags, ct131's CPU flags and environment, the lab-only CPU layer). In order, one
 1. the same server without speculation: the greedy reference for every prompt, samples at T = 1, 0.5;
 2. DDTREE (budget 16: trees, not chains): the plugin's worker in SGLang's scheduler, tree-masked
    verify, walk, KV commit, drafter context by node index; token-identical to (1) for a batch and
-   for requests joining a running batch; the handshake in /server_info and /metrics; the live probe;
+   for requests joining a running batch; the handshake in /server_info and /metrics; the live probe
+   with its lossless check (the target's own prefill agrees with every emitted token);
    at T = 1 the tokens its sampling walk emits follow (1)'s distribution (a chi-square test on 600
    samples, which tells (1) at T = 0.5 from T = 1 and caught a walk sampling at 0.7 x T);
 3. DDTREE on a pair made to agree (`_agreeing_pair`): every round accepts its tree's whole depth;
@@ -155,14 +156,24 @@ def test_server_info_and_metrics_carry_the_handshake(ddtree):
 def test_live_probe_passes_with_the_handshake(ddtree):
     from ddtree_runtime.probe import live_probe
 
+    started = time.monotonic()
     probe = live_probe(ddtree.url, timeout=60, min_accept_length=1.2,
                        expect={"speculative_ddtree_budget": str(BUDGET)})
+    took = round(time.monotonic() - started, 3)
     assert probe.ok, probe.to_dict()
     assert probe.handshake["status"] == "ok"
+    # Lossless: every emitted token is the target's own choice in a prefill of prompt + answer (a prefill
+    # runs DFlash's extend path, which returns SGLang's input logprobs; a decode with them would not).
+    checked = probe.figures["lossless"]
+    assert (checked["status"], checked["mismatches"]) == ("passed", 0), checked
+    assert checked["tokens_checked"] == probe.figures["completion_tokens"] > 0
+    assert ddtree.request("/health")[0] == 200  # the check request left the scheduler serving
     report("live_probe", handshake=probe.handshake["status"],
            expected_hidden_width=probe.figures["expected_hidden_width"],
            observed_hidden_width=probe.figures["observed_hidden_width"],
-           accept_length=probe.figures["accept_length"])
+           accept_length=probe.figures["accept_length"], lossless_tokens=checked["tokens_checked"],
+           near_ties=checked["near_ties"], lossless_seconds=checked["seconds"],
+           probe_seconds=took)
 
 
 def test_sampling_at_t_above_zero_follows_the_plain_servers_distribution(ddtree, plain):
