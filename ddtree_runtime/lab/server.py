@@ -19,6 +19,7 @@ import queue
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -52,6 +53,8 @@ class LabServer:
         self.plan = plan
         self.device = device
         self.status = "starting"  # starting | ready | draining
+        # Which server answers (the canary refuses to compare a server with itself under two URLs).
+        self.instance_id = uuid.uuid4().hex
         self.engine = None
         self.memory: MemoryPlan | None = None
         self.jobs: queue.Queue[Job] = queue.Queue()
@@ -356,6 +359,7 @@ class LabServer:
         info.update(
             version=SGLANG_VERSION,
             ddtree_runtime_version=__version__,
+            ddtree_instance_id=self.instance_id,
             engine="ddtree-lab",
             status=self.status,
             max_total_num_tokens=self.memory.max_total_num_tokens if self.memory else None,
