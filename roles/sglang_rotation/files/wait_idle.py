@@ -3,8 +3,9 @@
 Runs on the host (stdlib only). Reads the server's own Prometheus metrics: idle is every
 `sglang:num_running_reqs` and `sglang:num_queue_reqs` sample at 0 on --idle-polls readings in a row
 (a request that just arrived may not be counted yet on the first). Prints one JSON object and exits 0
-(idle), 3 (still busy when --timeout ran out: the caller restarts anyway and SGLang's own SIGTERM drain
-finishes the rest) or 1 (no metrics to read: the server runs without --enable-metrics, or is down).
+(idle; also when nothing listens on the port), 3 (still busy when --timeout ran out: the caller restarts
+anyway and SGLang's own SIGTERM drain finishes the rest) or 1 (it cannot be told: no metrics, the server
+runs without --enable-metrics, or it does not answer).
 """
 
 from __future__ import annotations
@@ -28,10 +29,15 @@ def held_requests(metrics_text: str) -> float | None:
 
 
 def read(url: str, timeout: float) -> tuple[float | None, str | None]:
+    """(held requests, None), or (None, why it cannot be told); nothing listening holds nothing."""
     try:
         with urllib.request.urlopen(url + "/metrics", timeout=timeout) as response:
             text = response.read().decode("utf-8", "replace")
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+    except urllib.error.URLError as exc:
+        if isinstance(exc.reason, ConnectionRefusedError):
+            return 0.0, None
+        return None, f"{url}/metrics: {exc}"
+    except (OSError, ValueError) as exc:
         return None, f"{url}/metrics: {exc}"
     held = held_requests(text)
     return held, None if held is not None else f"{url}/metrics has no {' / '.join(_GAUGES)}"
