@@ -31,7 +31,7 @@ class Traffic:
     threads: int = 2
     max_requests: int = 6000
     max_s: float = 600
-    pause_s: float = 0.05
+    pause_s: float = 0.2
     timeout_s: float = 30
     results: list[Result] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
