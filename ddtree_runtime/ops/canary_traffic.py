@@ -57,7 +57,9 @@ class Side:
 
 def _samples(text: str) -> list[tuple[str, dict[str, str], float]]:
     try:
-        return [(s.name, s.labels, s.value) for fam in text_string_to_metric_families(text) for s in fam.samples]
+        return [
+            (s.name, s.labels, s.value) for fam in text_string_to_metric_families(text) for s in fam.samples
+        ]
     except (ValueError, TypeError) as exc:
         raise TrafficInputError(f"not Prometheus text: {exc}") from exc
 
@@ -116,40 +118,64 @@ def side(url: str, routers: tuple[list[str], list[str]], engine: tuple[str, str]
     if c1 < c0:
         raise TrafficInputError(f"{url}: its request count went down ({c0:g} -> {c1:g}): did it restart?")
     window = {le: b1.get(le, 0.0) - b0.get(le, 0.0) for le in b1}
-    requests = int(round(c1 - c0))
-    return Side(url=url, requests=requests, successes=int(round(ok1 - ok0)), failures=int(round(bad1 - bad0)),
-                latency_mean_s=round((s1 - s0) / requests, 4) if requests else None,
-                latency_p50_s=None if not requests else round(quantile(0.5, window) or 0.0, 4))
+    requests = round(c1 - c0)
+    return Side(
+        url=url,
+        requests=requests,
+        successes=round(ok1 - ok0),
+        failures=round(bad1 - bad0),
+        latency_mean_s=round((s1 - s0) / requests, 4) if requests else None,
+        latency_p50_s=None if not requests else round(quantile(0.5, window) or 0.0, 4),
+    )
 
 
 def judge(live: Side, shadow: Side, t: Thresholds, window_s: float | None = None) -> dict[str, Any]:
     reasons = []
     if shadow.requests < t.min_requests:
-        reasons.append(f"the shadow served {shadow.requests} request(s) of real traffic, fewer than the "
-                       f"{t.min_requests} needed to judge it: lengthen sglang_canary_traffic_s or lower "
-                       "sglang_canary_traffic_requests")
+        reasons.append(
+            f"the shadow served {shadow.requests} request(s) of real traffic, fewer than the "
+            f"{t.min_requests} needed to judge it: lengthen sglang_canary_traffic_s or lower "
+            "sglang_canary_traffic_requests"
+        )
     if shadow.error_rate > live.error_rate + t.max_error_rate_increase:
-        reasons.append(f"the shadow failed {shadow.failures} of {shadow.successes + shadow.failures} requests "
-                       f"({shadow.error_rate:.1%}), live {live.failures} of {live.successes + live.failures} "
-                       f"({live.error_rate:.1%}); allowed: live's rate + {t.max_error_rate_increase:.1%}")
+        reasons.append(
+            f"the shadow failed {shadow.failures} of {shadow.successes + shadow.failures} requests "
+            f"({shadow.error_rate:.1%}), live {live.failures} of {live.successes + live.failures} "
+            f"({live.error_rate:.1%}); allowed: live's rate + {t.max_error_rate_increase:.1%}"
+        )
     if live.latency_mean_s is not None and shadow.latency_mean_s is not None:
         bound = t.max_latency_ratio * live.latency_mean_s + t.latency_slack_s
         if shadow.latency_mean_s > bound:
-            reasons.append(f"the shadow's mean latency {shadow.latency_mean_s:.3f} s is above {bound:.3f} s "
-                           f"({t.max_latency_ratio:g} x live's {live.latency_mean_s:.3f} s + "
-                           f"{t.latency_slack_s:g} s)")
+            reasons.append(
+                f"the shadow's mean latency {shadow.latency_mean_s:.3f} s is above {bound:.3f} s "
+                f"({t.max_latency_ratio:g} x live's {live.latency_mean_s:.3f} s + "
+                f"{t.latency_slack_s:g} s)"
+            )
     verdict = "abort" if reasons else "promote"
     table = [
         f"{'':8}{'requests':>9}{'failed':>8}{'error rate':>12}{'mean s':>9}{'p50 s':>8}",
-        *(f"{name:8}{s.requests:>9}{s.failures:>8}{s.error_rate:>12.1%}"
-          f"{_fmt(s.latency_mean_s):>9}{_fmt(s.latency_p50_s):>8}" for name, s in (("live", live), ("shadow", shadow))),
-        f"canary traffic {verdict.upper()}" + (f": {'; '.join(reasons)}" if reasons else
-                                               f" ({shadow.requests} real requests in {window_s or 0:.0f} s)"),
+        *(
+            f"{name:8}{s.requests:>9}{s.failures:>8}{s.error_rate:>12.1%}"
+            f"{_fmt(s.latency_mean_s):>9}{_fmt(s.latency_p50_s):>8}"
+            for name, s in (("live", live), ("shadow", shadow))
+        ),
+        f"canary traffic {verdict.upper()}"
+        + (
+            f": {'; '.join(reasons)}"
+            if reasons
+            else f" ({shadow.requests} real requests in {window_s or 0:.0f} s)"
+        ),
     ]
-    return {"ok": not reasons, "verdict": verdict, "reason": "; ".join(reasons) or None, "window_s": window_s,
-            "live": {**asdict(live), "error_rate": live.error_rate},
-            "shadow": {**asdict(shadow), "error_rate": shadow.error_rate},
-            "thresholds": asdict(t), "table": table}
+    return {
+        "ok": not reasons,
+        "verdict": verdict,
+        "reason": "; ".join(reasons) or None,
+        "window_s": window_s,
+        "live": {**asdict(live), "error_rate": live.error_rate},
+        "shadow": {**asdict(shadow), "error_rate": shadow.error_rate},
+        "thresholds": asdict(t),
+        "table": table,
+    }
 
 
 def _fmt(value: float | None) -> str:
@@ -177,8 +203,16 @@ def main() -> int:
             raise TrafficInputError(f"stdin is not JSON: {exc}") from exc
         report = run(doc)
     except TrafficInputError as exc:
-        print(json.dumps({"ok": False, "verdict": "abort", "reason": f"bad input: {exc}",
-                          "table": [f"canary traffic ABORT: bad input: {exc}"]}))
+        print(
+            json.dumps(
+                {
+                    "ok": False,
+                    "verdict": "abort",
+                    "reason": f"bad input: {exc}",
+                    "table": [f"canary traffic ABORT: bad input: {exc}"],
+                }
+            )
+        )
         return EXIT_BAD_INPUT
     print(json.dumps(report))
     return EXIT_PROMOTE if report["ok"] else EXIT_ABORT

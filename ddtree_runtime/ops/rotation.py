@@ -68,8 +68,15 @@ def _member_state(router: RouterView, member: Member, batch: set[str]) -> str:
     return "in rotation" if any(w.get("is_healthy") for w in entries) else "in rotation but UNHEALTHY"
 
 
-def plan_leave(host: str, urls: set[str], batch_addresses: set[str], routers: list[RouterView], *,
-               allow_single_host: bool, restart_bound_s: float) -> dict[str, Any]:
+def plan_leave(
+    host: str,
+    urls: set[str],
+    batch_addresses: set[str],
+    routers: list[RouterView],
+    *,
+    allow_single_host: bool,
+    restart_bound_s: float,
+) -> dict[str, Any]:
     """What to remove from which router before `host` restarts, or why not (ok False)."""
     removals, refusals, warnings = [], [], []
     for router in routers:
@@ -77,36 +84,52 @@ def plan_leave(host: str, urls: set[str], batch_addresses: set[str], routers: li
         removals += [{"router": router.name, "id": w["id"], "url": w["url"]} for w in mine]
         if not any(w.get("is_healthy") for w in mine):
             continue  # it serves nothing through this router now: nobody loses it
-        others = [w for w in router.workers if w.get("url") not in urls and w.get("is_healthy")
-                  and url_address(str(w.get("url", ""))) not in batch_addresses]
+        others = [
+            w
+            for w in router.workers
+            if w.get("url") not in urls
+            and w.get("is_healthy")
+            and url_address(str(w.get("url", ""))) not in batch_addresses
+        ]
         if others:
             continue
         rest = [m for m in router.members if m.host != host]
         if not rest:
-            downtime = (f"{host} is the only worker of router {router.name}: requests through it fail until "
-                        f"{host} is back, up to {restart_bound_s:.0f} s (its stop plus its ready timeout)")
+            downtime = (
+                f"{host} is the only worker of router {router.name}: requests through it fail until "
+                f"{host} is back, up to {restart_bound_s:.0f} s (its stop plus its ready timeout)"
+            )
             if allow_single_host:
                 warnings.append(downtime + ".")
             else:
-                refusals.append(downtime + "; refused (sglang_rotation_allow_single_host_downtime is false). "
-                                "Add a second worker to the router, or allow the downtime.")
+                refusals.append(
+                    downtime + "; refused (sglang_rotation_allow_single_host_downtime is false). "
+                    "Add a second worker to the router, or allow the downtime."
+                )
             continue
         states = ", ".join(f"{m.host} {_member_state(router, m, batch_addresses)}" for m in rest)
         refusals.append(
-            f"{host} is the last healthy worker of router {router.name} ({states}): taking it out would leave "
-            f"the router nothing to serve with. Nothing was changed. Bring the others back first (ddtree fleet "
-            f"status; ansible-playbook ansible/rotation.yml -l HOST -e rotation=join), or roll out with "
-            f"-e sglang_rotation_enabled=false and accept failed requests while {host} restarts."
+            f"{host} is the last healthy worker of router {router.name} ({states}): taking it out would "
+            "leave the router nothing to serve with. Nothing was changed. Bring the others back first "
+            "(ddtree fleet status; ansible-playbook ansible/rotation.yml -l HOST -e rotation=join), or roll "
+            f"out with -e sglang_rotation_enabled=false and accept failed requests while {host} restarts."
         )
-    return {"ok": not refusals, "reason": " ".join(refusals) or None, "warnings": warnings,
-            "removals": removals}
+    return {
+        "ok": not refusals,
+        "reason": " ".join(refusals) or None,
+        "warnings": warnings,
+        "removals": removals,
+    }
 
 
 def plan_join(url: str, routers: list[RouterView]) -> dict[str, Any]:
     """Which routers must add `url` (the others list it already)."""
     additions = [r.name for r in routers if not r.entries_of({url})]
-    return {"ok": True, "additions": additions,
-            "already": [r.name for r in routers if r.name not in additions]}
+    return {
+        "ok": True,
+        "additions": additions,
+        "already": [r.name for r in routers if r.name not in additions],
+    }
 
 
 def host_states(routers: list[RouterView]) -> dict[str, list[str]]:
@@ -144,8 +167,11 @@ def _routers(doc: dict[str, Any]) -> list[RouterView]:
         members = r.get("members") or []
         if not all(isinstance(m, dict) and {"host", "address"} <= set(m) for m in members):
             raise RotationInputError(f"router {r['name']}: 'members' must be [{{host, address}}]")
-        views.append(RouterView(r["name"], tuple(Member(str(m["host"]), str(m["address"])) for m in members),
-                                tuple(listing)))
+        views.append(
+            RouterView(
+                r["name"], tuple(Member(str(m["host"]), str(m["address"])) for m in members), tuple(listing)
+            )
+        )
     return views
 
 
@@ -161,9 +187,14 @@ def run(action: str, doc: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         raise RotationInputError("stdin must hold one JSON object")
     routers = _routers(doc)
     if action == "leave":
-        answer = plan_leave(str(doc.get("host")), _strings(doc, "urls"), _strings(doc, "batch_addresses"),
-                            routers, allow_single_host=bool(doc.get("allow_single_host", True)),
-                            restart_bound_s=float(doc.get("restart_bound_s", 0)))
+        answer = plan_leave(
+            str(doc.get("host")),
+            _strings(doc, "urls"),
+            _strings(doc, "batch_addresses"),
+            routers,
+            allow_single_host=bool(doc.get("allow_single_host", True)),
+            restart_bound_s=float(doc.get("restart_bound_s", 0)),
+        )
     elif action == "join":
         if not isinstance(doc.get("url"), str):
             raise RotationInputError("'url' must be the worker URL to add")

@@ -3,6 +3,7 @@ watcher of a router's worker list. Loopback or the lab's own addresses only."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import threading
@@ -39,7 +40,9 @@ class Traffic:
     _workers: list[threading.Thread] = field(default_factory=list)
 
     def _one(self) -> Result:
-        req = urllib.request.Request(self.url + "/generate", data=BODY, headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            self.url + "/generate", data=BODY, headers={"Content-Type": "application/json"}
+        )
         started = time.monotonic()
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
@@ -63,8 +66,9 @@ class Traffic:
 
     def __enter__(self) -> Traffic:
         deadline = time.monotonic() + self.max_s
-        self._workers = [threading.Thread(target=self._loop, args=(deadline,), daemon=True)
-                         for _ in range(self.threads)]
+        self._workers = [
+            threading.Thread(target=self._loop, args=(deadline,), daemon=True) for _ in range(self.threads)
+        ]
         for t in self._workers:
             t.start()
         return self
@@ -84,8 +88,14 @@ class Traffic:
         def pct(q: float) -> float | None:
             return round(lat[min(len(lat) - 1, int(q * len(lat)))], 4) if lat else None
 
-        return {"requests": len(self.results), "failures": len(failed), "p50_s": pct(0.5), "p99_s": pct(0.99),
-                "mean_s": round(statistics.fmean(lat), 4) if lat else None, "failure_kinds": kinds}
+        return {
+            "requests": len(self.results),
+            "failures": len(failed),
+            "p50_s": pct(0.5),
+            "p99_s": pct(0.99),
+            "mean_s": round(statistics.fmean(lat), 4) if lat else None,
+            "failure_kinds": kinds,
+        }
 
 
 @dataclass
@@ -100,17 +110,17 @@ class RotationWatch:
     _thread: threading.Thread | None = None
 
     def serving(self) -> frozenset[str]:
-        req = urllib.request.Request(self.router + "/workers", headers={"Authorization": f"Bearer {self.key}"})
+        req = urllib.request.Request(
+            self.router + "/workers", headers={"Authorization": f"Bearer {self.key}"}
+        )
         with urllib.request.urlopen(req, timeout=10) as resp:
             workers = json.loads(resp.read())["workers"]
         return frozenset(w["url"] for w in workers if w.get("is_healthy"))
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            try:
+            with contextlib.suppress(OSError):  # the router busy for a moment: the next poll tells
                 self.samples.append((time.monotonic(), self.serving()))
-            except OSError:
-                pass
             self._stop.wait(self.interval_s)
 
     def __enter__(self) -> RotationWatch:

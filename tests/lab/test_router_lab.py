@@ -88,12 +88,19 @@ class Fleet:
                 if direct:
                     direct.__exit__(None, None, None)
         assert run.returncode == 0, run.stdout[-6000:]
-        plays = [json.loads(json.loads(m)) for m in re.findall(r'"msg": ("\{\\"rotation\\".*")\s*$', run.stdout, re.M)]
-        line = {"scenario": name, "play_s": round(time.monotonic() - started, 1), "through_router": routed.figures(),
-                "router_retries": _retries(self.router_metrics()) - retries_before,
-                "out_of_rotation_s": {h: watch.out_of_rotation_s(self.lab.addresses[h]) for h in WORKERS},
-                "out_of_rotation_s_by_play": {p["host"]: p["out_of_rotation_s"] for p in plays},
-                "min_workers_serving": watch.min_serving()}
+        plays = [
+            json.loads(json.loads(m))
+            for m in re.findall(r'"msg": ("\{\\"rotation\\".*")\s*$', run.stdout, re.M)
+        ]
+        line = {
+            "scenario": name,
+            "play_s": round(time.monotonic() - started, 1),
+            "through_router": routed.figures(),
+            "router_retries": _retries(self.router_metrics()) - retries_before,
+            "out_of_rotation_s": {h: watch.out_of_rotation_s(self.lab.addresses[h]) for h in WORKERS},
+            "out_of_rotation_s_by_play": {p["host"]: p["out_of_rotation_s"] for p in plays},
+            "min_workers_serving": watch.min_serving(),
+        }
         if direct:
             line["straight_to_" + direct_to] = direct.figures()
         print(json.dumps(line))
@@ -102,7 +109,7 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def fleet(lab: LabHandle, wheelhouse: Path) -> Fleet:
-    """The router on ct131; ct129 and ct130 deployed (balanced, the inventory's environment) and in rotation."""
+    """The router on ct131; ct129 and ct130 deployed (balanced, the inventory's environment), in rotation."""
     router = _play(lab, "ansible/router.yml")
     assert router.returncode == 0, router.stdout[-4000:]
     base = _play(lab, "deploy.yml", "-l", ",".join(WORKERS))
@@ -121,10 +128,18 @@ def _no_failure(line: dict) -> None:
 
 
 def test_rolling_deploy_through_the_router_fails_no_request_and_straight_to_a_host_some(fleet: Fleet):
-    line = fleet.measure("rolling deploy ct129,ct130", "deploy.yml", "-l", ",".join(WORKERS), *_env("round-1"),
-                         direct_to="ct129")
+    line = fleet.measure(
+        "rolling deploy ct129,ct130",
+        "deploy.yml",
+        "-l",
+        ",".join(WORKERS),
+        *_env("round-1"),
+        direct_to="ct129",
+    )
     _no_failure(line)
-    assert all(line["out_of_rotation_s"][h] > 0 for h in WORKERS), line  # both really restarted, one at a time
+    assert all(line["out_of_rotation_s"][h] > 0 for h in WORKERS), (
+        line
+    )  # both really restarted, one at a time
     assert line["min_workers_serving"] == 1, line
     straight = line["straight_to_ct129"]
     assert straight["requests"] > 20 and straight["failures"] > 0, line  # what the router prevents
@@ -132,8 +147,15 @@ def test_rolling_deploy_through_the_router_fails_no_request_and_straight_to_a_ho
 
 
 def test_profile_switch_moves_the_worker_to_its_new_port(fleet: Fleet):
-    line = fleet.measure("profile switch ct130 -> shadow-small", "deploy.yml", "-l", "ct130",
-                         "-e", "sglang_profile=shadow-small", *_env("round-1"))
+    line = fleet.measure(
+        "profile switch ct130 -> shadow-small",
+        "deploy.yml",
+        "-l",
+        "ct130",
+        "-e",
+        "sglang_profile=shadow-small",
+        *_env("round-1"),
+    )
     _no_failure(line)
     assert line["out_of_rotation_s"]["ct130"] > 0 and line["out_of_rotation_s"]["ct129"] == 0, line
     assert _state(fleet.lab, "ct130")["port"] == 30001
@@ -141,9 +163,21 @@ def test_profile_switch_moves_the_worker_to_its_new_port(fleet: Fleet):
 
 
 def test_canary_promotion_gives_the_shadow_real_traffic_then_promotes(fleet: Fleet):
-    line = fleet.measure("canary + promotion ct129", "ansible/canary.yml", "-l", "ct129", *_env("round-2"),
-                         "-e", "sglang_canary_rounds=2", "-e", "sglang_canary_max_latency_ratio=4",
-                         "-e", "sglang_canary_traffic_requests=10", "-e", "sglang_canary_traffic_s=60")
+    line = fleet.measure(
+        "canary + promotion ct129",
+        "ansible/canary.yml",
+        "-l",
+        "ct129",
+        *_env("round-2"),
+        "-e",
+        "sglang_canary_rounds=2",
+        "-e",
+        "sglang_canary_max_latency_ratio=4",
+        "-e",
+        "sglang_canary_traffic_requests=10",
+        "-e",
+        "sglang_canary_traffic_s=60",
+    )
     _no_failure(line)
     proc = fleet.lab.ssh("ct129", "cat /var/lib/ddtree/canary/last.json")
     report = json.loads(proc.stdout)

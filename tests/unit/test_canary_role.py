@@ -59,9 +59,9 @@ def test_playbooks_parse(playbook, inventory):
 def test_canary_play_is_host_by_host_and_stops_everything_on_a_failure():
     plays = yaml.safe_load((REPO / "ansible/canary.yml").read_text())
     rollout = plays[1]
-    # The canary host alone, then the rest at once; one at a time behind a router (each leaves its rotation).
-    assert rollout["serial"] == ("{{ canary_serial | default(1 if groups['sglang_routers'] | default([]) | length > 0"
-                                 " else [1, '100%']) }}")
+    # The canary host alone, then the rest at once; one at a time behind a router (each leaves rotation).
+    assert rollout["serial"] == ("{{ canary_serial | default(1 if groups['sglang_routers'] | default([])"
+                                 " | length > 0 else [1, '100%']) }}")
     assert rollout["max_fail_percentage"] == 0 and rollout["any_errors_fatal"] is True
     assert all(play["any_errors_fatal"] is True for play in plays)
     block = rollout["tasks"][0]

@@ -23,6 +23,7 @@ import yaml
 from ddtree_runtime.ops import canary_traffic
 from tests.unit._ansible import PLAYBOOKS, REPO, tool_env
 from tests.unit._lab import LabServerProcess, free_port, http, lab_models
+from tests.unit._router_metrics import ROUTER_METRICS
 
 # `make venv` puts the router in a venv of its own, as the role does on a router host.
 SMG = Path(sys.executable).parent.parent / "router" / "bin" / "smg"
@@ -39,9 +40,19 @@ def _router_installed() -> None:
 
 
 def _lab_args(models: Path, host: str) -> list[str]:
-    return ["--model-path", str(models / "target"), "--speculative-algorithm", "DDTREE",
-            "--speculative-draft-model-path", str(models / "draft"), "--device", "cpu", "--enable-metrics",
-            "--host", host]
+    return [
+        "--model-path",
+        str(models / "target"),
+        "--speculative-algorithm",
+        "DDTREE",
+        "--speculative-draft-model-path",
+        str(models / "draft"),
+        "--device",
+        "cpu",
+        "--enable-metrics",
+        "--host",
+        host,
+    ]
 
 
 class Router:
@@ -51,11 +62,29 @@ class Router:
         self.log = tmp / "router.log"
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(
-                [str(SMG), "launch", "--host", "127.0.0.1", "--port", str(self.port), "--policy", "round_robin",
-                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
-                 "--health-check-interval-secs", "5",
-                 "--control-plane-api-keys", f"ddtree:ddtree-rotation:admin:{KEY}", "--worker-urls", *workers],
-                stdout=log, stderr=subprocess.STDOUT)
+                [
+                    str(SMG),
+                    "launch",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                    "--policy",
+                    "round_robin",
+                    "--prometheus-host",
+                    "127.0.0.1",
+                    "--prometheus-port",
+                    str(self.metrics_port),
+                    "--health-check-interval-secs",
+                    "5",
+                    "--control-plane-api-keys",
+                    f"ddtree:ddtree-rotation:admin:{KEY}",
+                    "--worker-urls",
+                    *workers,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         deadline = time.monotonic() + 30
         while len(self.workers()) < len(workers):
             assert time.monotonic() < deadline and self.proc.poll() is None, self.log.read_text()[-3000:]
@@ -86,8 +115,10 @@ def fleet(tmp_path_factory):
     """w1 on 127.0.0.1, w2 on 127.0.0.2 (two addresses, as two hosts), both behind router r1."""
     tmp = tmp_path_factory.mktemp("rotation")
     models = lab_models()
-    servers = {name: LabServerProcess(_lab_args(models, address), tmp=tmp)
-               for name, address in (("w1", "127.0.0.1"), ("w2", "127.0.0.2"))}
+    servers = {
+        name: LabServerProcess(_lab_args(models, address), tmp=tmp)
+        for name, address in (("w1", "127.0.0.1"), ("w2", "127.0.0.2"))
+    }
     addresses = {"w1": "127.0.0.1", "w2": "127.0.0.2"}
     urls = {name: f"http://{addresses[name]}:{srv.port}" for name, srv in servers.items()}
     for srv in servers.values():
@@ -100,17 +131,43 @@ def fleet(tmp_path_factory):
     (tmp / "router-state").mkdir()
     inventory = tmp / "inventory.yml"
     common = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}
-    inventory.write_text(yaml.safe_dump({"all": {"vars": common, "children": {
-        "sglang_routers": {"hosts": {"r1": {
-            "ansible_host": "127.0.0.1", "sglang_router_workers": ["w1", "w2"],
-            "sglang_router_port": router.port, "sglang_router_metrics_port": router.metrics_port,
-            "sglang_router_control_key": KEY, "sglang_router_state_dir": str(tmp / "router-state")}}},
-        "gpu_hosts": {"hosts": {name: {
-            "ansible_host": addresses[name], "sglang_rotation_local_address": addresses[name],
-            "sglang_rotation_port": srv.port, "sglang_rotation_state_dir": str(state[name]),
-            "sglang_service_host": "0.0.0.0", "sglang_service_allowed_clients": ["127.0.0.0/8"],
-            "sglang_rotation_drain_timeout": 60} for name, srv in servers.items()}},
-    }}}))
+    inventory.write_text(
+        yaml.safe_dump(
+            {
+                "all": {
+                    "vars": common,
+                    "children": {
+                        "sglang_routers": {
+                            "hosts": {
+                                "r1": {
+                                    "ansible_host": "127.0.0.1",
+                                    "sglang_router_workers": ["w1", "w2"],
+                                    "sglang_router_port": router.port,
+                                    "sglang_router_metrics_port": router.metrics_port,
+                                    "sglang_router_control_key": KEY,
+                                    "sglang_router_state_dir": str(tmp / "router-state"),
+                                }
+                            }
+                        },
+                        "gpu_hosts": {
+                            "hosts": {
+                                name: {
+                                    "ansible_host": addresses[name],
+                                    "sglang_rotation_local_address": addresses[name],
+                                    "sglang_rotation_port": srv.port,
+                                    "sglang_rotation_state_dir": str(state[name]),
+                                    "sglang_service_host": "0.0.0.0",
+                                    "sglang_service_allowed_clients": ["127.0.0.0/8"],
+                                    "sglang_rotation_drain_timeout": 60,
+                                }
+                                for name, srv in servers.items()
+                            }
+                        },
+                    },
+                }
+            }
+        )
+    )
     yield {"servers": servers, "urls": urls, "router": router, "inventory": inventory, "tmp": tmp}
     router.stop()
     for srv in servers.values():
@@ -118,9 +175,17 @@ def fleet(tmp_path_factory):
 
 
 def _step(fleet: dict, target: str, action: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    cmd = [shutil.which("ansible-playbook", path=str(Path(sys.executable).parent)) or "ansible-playbook",
-           "-i", str(fleet["inventory"]), str(PLAYBOOKS / "rotation.yml"),
-           "-e", f"target={target}", "-e", f"action={action}", *extra]
+    cmd = [
+        shutil.which("ansible-playbook", path=str(Path(sys.executable).parent)) or "ansible-playbook",
+        "-i",
+        str(fleet["inventory"]),
+        str(PLAYBOOKS / "rotation.yml"),
+        "-e",
+        f"target={target}",
+        "-e",
+        f"action={action}",
+        *extra,
+    ]
     return subprocess.run(cmd, cwd=REPO, env=tool_env(), capture_output=True, text=True, timeout=300)
 
 
@@ -156,7 +221,9 @@ def test_leave_waits_for_the_request_in_flight_never_takes_the_last_worker_and_j
         refused = _step(fleet, "w2", "leave")  # w2 is all the router has left
         assert refused.returncode != 0
         out = " ".join(refused.stdout.split())
-        assert "last_healthy_worker: w2 is the last healthy worker of router r1 (w1 not in rotation)" in out, out
+        assert (
+            "last_healthy_worker: w2 is the last healthy worker of router r1 (w1 not in rotation)" in out
+        ), out
         assert "Nothing was changed" in out
         assert router.workers() == {urls["w2"]: True}
     finally:
@@ -164,7 +231,9 @@ def test_leave_waits_for_the_request_in_flight_never_takes_the_last_worker_and_j
     assert join.returncode == 0, join.stdout[-4000:]
     assert router.workers() == {urls["w1"]: True, urls["w2"]: True}
     assert _rotation_file(fleet) == set(urls.values())
-    (line,) = [json.loads(json.loads(m)) for m in re.findall(r'"msg": ("\{\\"rotation\\".*")\s*$', join.stdout, re.M)]
+    (line,) = [
+        json.loads(json.loads(m)) for m in re.findall(r'"msg": ("\{\\"rotation\\".*")\s*$', join.stdout, re.M)
+    ]
     assert line["added_by"] == ["r1"] and line["out_of_rotation_s"] is None, line  # it left in another run
 
 
@@ -185,21 +254,60 @@ def test_canary_traffic_judgement_reads_the_real_router_and_engines(fleet):
 
     before = snapshot()
     for _ in range(12):
-        status, _ = http(router.url + "/generate", {"text": "the cat", "sampling_params": {"max_new_tokens": 4}})
+        status, _ = http(
+            router.url + "/generate", {"text": "the cat", "sampling_params": {"max_new_tokens": 4}}
+        )
         assert status == 200
     after = snapshot()
-    report = canary_traffic.run({
-        "live_url": urls["w1"], "shadow_url": urls["w2"],
-        "routers_before": before["routers"], "routers_after": after["routers"],
-        "live_before": before["w1"], "live_after": after["w1"],
-        "shadow_before": before["w2"], "shadow_after": after["w2"],
-        "thresholds": {"min_requests": 5, "max_latency_ratio": 10, "latency_slack_s": 1.0}})
+    report = canary_traffic.run(
+        {
+            "live_url": urls["w1"],
+            "shadow_url": urls["w2"],
+            "routers_before": before["routers"],
+            "routers_after": after["routers"],
+            "live_before": before["w1"],
+            "live_after": after["w1"],
+            "shadow_before": before["w2"],
+            "shadow_after": after["w2"],
+            "thresholds": {"min_requests": 5, "max_latency_ratio": 10, "latency_slack_s": 1.0},
+        }
+    )
     assert report["live"]["requests"] == report["shadow"]["requests"] == 6, report  # round robin
     assert report["live"]["successes"] == report["shadow"]["successes"] == 6, report
     assert report["verdict"] == "promote" and report["shadow"]["latency_mean_s"] > 0, report
-    strict = canary_traffic.judge(canary_traffic.Side(**{k: report["live"][k] for k in (
-        "url", "requests", "successes", "failures", "latency_mean_s", "latency_p50_s")}),
-        canary_traffic.Side(**{k: report["shadow"][k] for k in (
-            "url", "requests", "successes", "failures", "latency_mean_s", "latency_p50_s")}),
-        canary_traffic.Thresholds(min_requests=50))
+    strict = canary_traffic.judge(
+        canary_traffic.Side(
+            **{
+                k: report["live"][k]
+                for k in ("url", "requests", "successes", "failures", "latency_mean_s", "latency_p50_s")
+            }
+        ),
+        canary_traffic.Side(
+            **{
+                k: report["shadow"][k]
+                for k in ("url", "requests", "successes", "failures", "latency_mean_s", "latency_p50_s")
+            }
+        ),
+        canary_traffic.Thresholds(min_requests=50),
+    )
     assert strict["verdict"] == "abort" and "fewer than the 50 needed" in strict["reason"]
+
+
+def test_the_router_metrics_the_rules_read_exist_and_count_retries(fleet):
+    """Last in the module: w2 dies without leaving the rotation. The router retries its requests on w1
+    (smg_worker_retries_total, which the lab test expects to stay 0 across rollouts), and every name the
+    alert rules and the dashboard use is in its real /metrics."""
+    router, servers = fleet["router"], fleet["servers"]
+    servers["w2"].proc.kill()
+    servers["w2"].proc.wait(10)
+    for _ in range(4):
+        assert (
+            http(router.url + "/generate", {"text": "a", "sampling_params": {"max_new_tokens": 2}})[0] == 200
+        )
+    text = router.metrics()
+    present = {
+        line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")
+    }
+    assert present >= ROUTER_METRICS, ROUTER_METRICS - present
+    retries = sum(float(v) for v in re.findall(r"(?m)^smg_worker_retries_total\{[^}]*\} (\S+)$", text))
+    assert retries >= 1, text

@@ -39,10 +39,15 @@ def _said(res: subprocess.CompletedProcess) -> str:
 @pytest.fixture(scope="module")
 def exposed(tmp_path_factory) -> Path:
     """A router for clients of 10.0.4.0/24, metrics for them too, with a key, in front of w1 and w2."""
-    res, out = _render(tmp_path_factory.mktemp("router"), sglang_router_listen_address="0.0.0.0",
-                       sglang_router_metrics_listen_address="0.0.0.0", sglang_router_allowed_clients=["10.0.4.0/24"],
-                       sglang_router_control_key=KEY, sglang_router_workers=["w1", "w2"],
-                       sglang_router_extra_flags=["--log-level info"])
+    res, out = _render(
+        tmp_path_factory.mktemp("router"),
+        sglang_router_listen_address="0.0.0.0",
+        sglang_router_metrics_listen_address="0.0.0.0",
+        sglang_router_allowed_clients=["10.0.4.0/24"],
+        sglang_router_control_key=KEY,
+        sglang_router_workers=["w1", "w2"],
+        sglang_router_extra_flags=["--log-level info"],
+    )
     assert res.returncode == 0, res.stdout[-3000:]
     return out
 
@@ -50,15 +55,25 @@ def exposed(tmp_path_factory) -> Path:
 def test_the_unit_runs_the_pinned_router_and_admits_clients_and_workers(exposed: Path) -> None:
     text = (exposed / "sglang-router.service").read_text()
     assert "ExecStart=/opt/sglang-router/0.3.2/bin/smg launch" in text
-    for flag in ("--host 0.0.0.0", "--port 30080", "--policy cache_aware", "--prometheus-port 29000",
-                 "--control-plane-api-keys ${SGLANG_ROUTER_CONTROL_KEYS}", "--log-level info",
-                 "--worker-urls $SGLANG_ROUTER_WORKER_URLS"):
+    for flag in (
+        "--host 0.0.0.0",
+        "--port 30080",
+        "--policy cache_aware",
+        "--prometheus-port 29000",
+        "--control-plane-api-keys ${SGLANG_ROUTER_CONTROL_KEYS}",
+        "--log-level info",
+        "--worker-urls $SGLANG_ROUTER_WORKER_URLS",
+    ):
         assert flag in text, flag
     assert _directives(text, "IPAddressDeny") == ["any"]
     assert _directives(text, "IPAddressAllow") == ["localhost 10.0.4.0/24 10.0.7.1 10.0.7.2"]
-    assert _directives(text, "EnvironmentFile") == ["/etc/sglang-router/sglang-router.env",
-                                                    "-/var/lib/sglang-router/workers.env"]
-    assert _directives(text, "User") == ["sglang-router"] and _directives(text, "CapabilityBoundingSet") == [""]
+    assert _directives(text, "EnvironmentFile") == [
+        "/etc/sglang-router/sglang-router.env",
+        "-/var/lib/sglang-router/workers.env",
+    ]
+    assert _directives(text, "User") == ["sglang-router"] and _directives(text, "CapabilityBoundingSet") == [
+        ""
+    ]
     assert KEY not in text  # the key is in the 0600 env file only
     env = (exposed / "sglang-router.env").read_text()
     assert f'SGLANG_ROUTER_CONTROL_KEYS="ddtree:ddtree-rotation:admin:{KEY}"' in env
@@ -67,13 +82,22 @@ def test_the_unit_runs_the_pinned_router_and_admits_clients_and_workers(exposed:
 @analyze
 def test_the_unit_verifies_clean_and_scores_low(exposed: Path) -> None:
     unit = exposed / "sglang-router.service"
-    res = subprocess.run(["systemd-analyze", "verify", unit.name], cwd=exposed, capture_output=True, text=True,
-                         timeout=60)
-    noise = [ln for ln in (res.stdout + res.stderr).splitlines()
-             if ln.strip() and "/opt/sglang-router/0.3.2/bin/smg" not in ln]  # the venv is not here
+    res = subprocess.run(
+        ["systemd-analyze", "verify", unit.name], cwd=exposed, capture_output=True, text=True, timeout=60
+    )
+    noise = [
+        ln
+        for ln in (res.stdout + res.stderr).splitlines()
+        if ln.strip() and "/opt/sglang-router/0.3.2/bin/smg" not in ln
+    ]  # the venv is not here
     assert not noise, res.stdout + res.stderr
-    res = subprocess.run(["systemd-analyze", "security", "--offline=true", unit.name], cwd=exposed,
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        ["systemd-analyze", "security", "--offline=true", unit.name],
+        cwd=exposed,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     match = re.search(r"Overall exposure level for \S+: ([0-9.]+)", res.stdout)
     assert match, res.stdout[-2000:] + res.stderr
     print(f"systemd-analyze security --offline=true {unit.name}: {match.group(1)}")
@@ -90,17 +114,36 @@ def test_loopback_by_default(tmp_path: Path) -> None:
 
 # One ansible-playbook run each (a few seconds): the cases that matter most; the argument spec refuses
 # wrong types and choices (policy, install source) on its own.
-@pytest.mark.parametrize(("extra", "said"), [
-    ({"sglang_router_listen_address": "0.0.0.0", "sglang_router_control_key": KEY},
-     "AND set sglang_router_allowed_clients to the CIDRs of the clients and scrapers"),
-    ({"sglang_router_listen_address": "10.0.4.9", "sglang_router_allowed_clients": ["any"],
-      "sglang_router_control_key": KEY}, "listen on loopback, or on every address"),
-    ({"sglang_router_listen_address": "0.0.0.0", "sglang_router_allowed_clients": ["10.0.4.0/24"]},
-     "a router that listens on 0.0.0.0 needs a control key"),
-    ({"sglang_router_workers": ["w1", "nosuchhost", "w1"]}, "each once (got ['w1', 'nosuchhost', 'w1']; unknown: nosuchhost)"),
-    ({"sglang_router_extra_flags": ["--log-level info\nExecStartPre=/bin/sh"]}, "single-line strings"),
-    ({"sglang_router_extra_flags": ["--worker-urls http://10.9.9.9:1"]}, "may not set --host, --port, --worker-urls"),
-])
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        (
+            {"sglang_router_listen_address": "0.0.0.0", "sglang_router_control_key": KEY},
+            "AND set sglang_router_allowed_clients to the CIDRs of the clients and scrapers",
+        ),
+        (
+            {
+                "sglang_router_listen_address": "10.0.4.9",
+                "sglang_router_allowed_clients": ["any"],
+                "sglang_router_control_key": KEY,
+            },
+            "listen on loopback, or on every address",
+        ),
+        (
+            {"sglang_router_listen_address": "0.0.0.0", "sglang_router_allowed_clients": ["10.0.4.0/24"]},
+            "a router that listens on 0.0.0.0 needs a control key",
+        ),
+        (
+            {"sglang_router_workers": ["w1", "nosuchhost", "w1"]},
+            "each once (got ['w1', 'nosuchhost', 'w1']; unknown: nosuchhost)",
+        ),
+        ({"sglang_router_extra_flags": ["--log-level info\nExecStartPre=/bin/sh"]}, "single-line strings"),
+        (
+            {"sglang_router_extra_flags": ["--worker-urls http://10.9.9.9:1"]},
+            "may not set --host, --port, --worker-urls",
+        ),
+    ],
+)
 def test_bad_input_is_refused_before_anything_changes(tmp_path: Path, extra: dict, said: str) -> None:
     res, out = _render(tmp_path, **extra)
     assert res.returncode != 0 and said in _said(res), _said(res)[-2000:]

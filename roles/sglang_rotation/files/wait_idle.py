@@ -65,8 +65,15 @@ def main() -> int:
             print(json.dumps({**report, "idle": True, "reason": None}))
             return 0
         if time.monotonic() - start >= args.timeout:
-            print(json.dumps({**report, "idle": False,
-                              "reason": f"still {held:.0f} request(s) after {args.timeout:.0f} s"}))
+            print(
+                json.dumps(
+                    {
+                        **report,
+                        "idle": False,
+                        "reason": f"still {held:.0f} request(s) after {args.timeout:.0f} s",
+                    }
+                )
+            )
             return 3
         time.sleep(args.interval)
 
