@@ -194,3 +194,13 @@ def test_rollback_goes_through_the_router(fleet: Fleet):
     _no_failure(line)
     assert line["out_of_rotation_s"]["ct129"] > 0, line
     assert fleet.serving() == {fleet.url("ct129"), fleet.url("ct130", 30001)}
+
+
+def test_fleet_status_shows_each_hosts_rotation(fleet: Fleet):
+    from tests.lab.conftest import ddtree
+
+    proc = ddtree("fleet", "status", "-i", str(fleet.lab.inventory), "-i", str(ROUTER_INVENTORY), "--json",
+                  timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rotation = {row["host"]: row["rotation"] for row in json.loads(proc.stdout)["rows"]}
+    assert rotation == {"ct129": [f"{ROUTER}: in"], "ct130": [f"{ROUTER}: in"], "ct131": None}, rotation
