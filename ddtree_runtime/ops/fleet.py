@@ -319,10 +319,17 @@ def host_status(t: Target, units: list[str]) -> list[Row]:
     return rows_from_facts(t.name, facts, units)
 
 
+def router_script(port: int, key: str) -> str:
+    """router_remote.py with the router's port and key in its CONFIG line."""
+    marker = "CONFIG: dict = {}"
+    text = ROUTER_SCRIPT.read_text()
+    assert marker in text, f"{ROUTER_SCRIPT} lost its CONFIG line"
+    return text.replace(marker, f"CONFIG: dict = {json.dumps({'port': port, 'key': key})}", 1)
+
+
 def router_workers(router: RouterTarget) -> dict[str, Any]:
     """The router's GET /workers answer (over SSH, on its own loopback), or {"error": why}."""
-    config = json.dumps({"port": router.port, "key": router.key})
-    script = f"CONFIG = {config}\n" + ROUTER_SCRIPT.read_text()
+    script = router_script(router.port, router.key)
     try:
         _rc, out, err = run_remote(router.target, "python3 -", script)
         return json.loads(out)

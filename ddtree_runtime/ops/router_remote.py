@@ -1,7 +1,8 @@
 """The script `ddtree fleet status` runs on a router host (python3 stdlib only, sent over SSH on stdin).
 
-The fleet prepends one line, `CONFIG = {...}` (the router's port and control key: on stdin, never on a
-command line), and reads one JSON object: the router's own `GET /workers` answer, or {"error": ...}.
+The fleet puts the router's port and control key into the CONFIG line below (the script travels on stdin,
+never on a command line) and reads one JSON object: the router's own `GET /workers` answer, or
+{"error": ...}.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import sys
 import urllib.error
 import urllib.request
 
-CONFIG: dict = globals().get("CONFIG", {})
+CONFIG: dict = {}  # replaced by ddtree_runtime.ops.fleet.router_script
 
 
 def main() -> None:

@@ -293,6 +293,20 @@ def test_canary_traffic_judgement_reads_the_real_router_and_engines(fleet):
     assert strict["verdict"] == "abort" and "fewer than the 50 needed" in strict["reason"]
 
 
+def test_the_fleet_script_reads_the_router_with_its_key(fleet):
+    """What `ddtree fleet status` runs on a router host over SSH (here locally, on stdin as there)."""
+    from ddtree_runtime.ops.fleet import router_script
+
+    def run(key: str) -> dict:
+        proc = subprocess.run([sys.executable, "-"], input=router_script(fleet["router"].port, key),
+                              capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+    assert {w["url"] for w in run(KEY)["workers"]} == set(fleet["urls"].values())
+    assert run("wrong-key-0000000000") == {"error": "HTTP 401 (the control key?)"}
+
+
 def test_the_router_metrics_the_rules_read_exist_and_count_retries(fleet):
     """Last in the module: w2 dies without leaving the rotation. The router retries its requests on w1
     (smg_worker_retries_total, which the lab test expects to stay 0 across rollouts), and every name the
