@@ -16,7 +16,8 @@ test: venv
 lint: venv
 	$(VENV)/bin/ruff check .
 
-venv: $(VENV)/.installed $(VENV)/.sglang-installed $(VENV)/.sglang-cpu-lab-installed $(VENV)/router/.installed
+venv: $(VENV)/.installed $(VENV)/.sglang-installed $(VENV)/.sglang-cpu-lab-installed $(VENV)/.sglang-gpu-lab-installed \
+      $(VENV)/router/.installed
 
 # torch==2.13.0 first: it is the CPU wheel on disk; an unpinned torch would pull GBs of CUDA wheels.
 $(VENV)/.installed: pyproject.toml
@@ -44,6 +45,15 @@ $(VENV)/.sglang-cpu-lab-installed: $(VENV)/.sglang-installed $(CPU_LAB)/requirem
 	$(PIP) install -q --no-deps --no-build-isolation $(VENV)/.cpu-lab-build && rm -rf $(VENV)/.cpu-lab-build
 	touch $@
 # --- end real SGLang server on CPU
+
+# --- the GPU lab's layer (issue 20): its seams and stand-ins are tested here on CPU against the installed
+# wheel; it stays inert in this venv unless DDTREE_SGLANG_GPU_LAB=1 (docs/sglang-gpu-lab.md).
+GPU_LAB := scripts/lab/sglang-gpu-lab
+$(VENV)/.sglang-gpu-lab-installed: $(VENV)/.sglang-cpu-lab-installed $(GPU_LAB)/pyproject.toml $(GPU_LAB)/setup.py $(wildcard $(GPU_LAB)/ddtree_sglang_gpu_lab/*.py)
+	rm -rf $(VENV)/.gpu-lab-build && cp -r $(GPU_LAB) $(VENV)/.gpu-lab-build
+	$(PIP) install -q --no-deps --no-build-isolation $(VENV)/.gpu-lab-build && rm -rf $(VENV)/.gpu-lab-build
+	touch $@
+# --- end GPU lab layer
 
 # --- the router (issue 26): sglang-router in a venv of its own, as roles/sglang_router installs it (beside
 # SGLang its launcher imports sglang's tracing, which fails on this CPU set); unit tests run it on loopback.

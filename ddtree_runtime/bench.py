@@ -46,7 +46,7 @@ def _stages(mod: Any, draft: Any, target: Any, roots: Any, prefix: Any, budget: 
     lp, ids = topk_log_probs(draft, k)
     tree = mod.build_tree(draft, budget)
     walk = mod.walk_greedy(tree, target)
-    launches, _, _ = topk_launches(draft, k)
+    launches, _, _, _ = topk_launches(draft, k)
     parts = {name: launch for name, launch in launches}  # each needs the ones before it: run in order
     for launch in parts.values():
         launch()
@@ -214,7 +214,8 @@ def bench_tree_case(
         # Where they differ: does each path's top-K equal the fully ordered one (stable sort by
         # log-prob, ties by id)? torch.topk may pick any of the tied ids at the K-th place.
         "differs_in": [
-            name for name, a, b in zip(("tree", "verify", "walk", "plan"), kernel_out, plain_out, strict=True)
+            name
+            for name, a, b in zip(("tree", "verify", "walk", "plan"), kernel_out, plain_out, strict=True)
             if not _same(a, b)
         ],
         "kernel_topk_is_stable_order": _topk_matches_stable(kernels_topk(s0[0], budget), s0[0], budget),
@@ -252,6 +253,38 @@ def _tree_main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _server_main(args: argparse.Namespace) -> int:
+    from ddtree_runtime.http_client import check_base_url
+    from ddtree_runtime.server_bench import bench_server
+
+    try:
+        url = check_base_url(args.url)
+    except ValueError as exc:
+        print(f"ddtree bench server: {exc}", file=sys.stderr)
+        return 2
+    prompts = args.prompt or list(DEFAULT_SERVER_PROMPTS)
+    summary = bench_server(url, prompts, levels=args.concurrency, requests_per_level=args.requests,
+                           repeats=args.repeats, max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature, label=args.label)  # fmt: skip
+    for level, row in summary.items():
+        row.pop("ids")
+        print(json.dumps({"bench": "server_summary", "server": args.label, "concurrency": level, **row}))
+    return 0
+
+
+# In the lab language (the lab pairs' drafters predict it) and plain text; any server answers them.
+DEFAULT_SERVER_PROMPTS = (
+    "the cat sees a",
+    "under the old tree",
+    "morning rain and",
+    "the fox carries a small stone",
+    "quiet evening",
+    "a bird sings while the river",
+    "The capital of France is",
+    "def fibonacci(n):",
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m ddtree_runtime.bench", description=__doc__.splitlines()[0]
@@ -266,6 +299,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plain-iters", type=int, default=10)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_tree_main)
+    s = sub.add_parser("server", help="a running server over HTTP at fixed concurrency (docs/bench/)")
+    s.add_argument("--url", required=True, help="the server's base URL, e.g. http://127.0.0.1:30000")
+    s.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    s.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help="per level (default: 2 x concurrency, and every prompt once)",
+    )
+    s.add_argument("--repeats", type=int, default=3)
+    s.add_argument("--max-new-tokens", type=int, default=64)
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--prompt", action="append", help="a prompt (repeatable; default: a fixed set of 8)")
+    s.add_argument("--label", default="", help="names the server in every line")
+    s.set_defaults(func=_server_main)
     args = parser.parse_args(argv)
     return args.func(args)
 

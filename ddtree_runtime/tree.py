@@ -25,22 +25,28 @@ from torch import Tensor
 
 from ddtree_runtime.tree_types import (
     CommitPlan,
+    DraftTopK,
     DraftTree,
     VerifyInputs,
     WalkResult,
     check_build_inputs,
     check_rows,
+    check_topk_inputs,
     empty_tree,
+    topk_width,
 )
 
 __all__ = [
     "CommitPlan",
+    "DraftTopK",
     "DraftTree",
     "VerifyInputs",
     "WalkResult",
     "build_tree",
+    "build_tree_from_topk",
     "commit_plan",
     "compile_tree",
+    "stable_topk",
     "topk_log_probs",
     "verify_attention_mask",
     "walk_greedy",
@@ -81,20 +87,25 @@ def topk_log_probs(draft_logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     with the k-th value the lowest ids are taken. So ranks (and thus the tree) are deterministic
     whatever ``torch.topk`` does with ties.
     """
-    log_probs = torch.log_softmax(draft_logits.float(), dim=-1)
-    kth = torch.topk(log_probs, k, dim=-1, largest=True, sorted=True).values[..., -1:]
-    above = log_probs > kth
-    tied = log_probs == kth
+    return stable_topk(torch.log_softmax(draft_logits.float(), dim=-1), k)
+
+
+def stable_topk(values: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The top-``k`` of ``values [..., n]`` and their indices in the order (value descending, index
+    ascending), also at the cut (see :func:`topk_log_probs`)."""
+    kth = torch.topk(values, k, dim=-1, largest=True, sorted=True).values[..., -1:]
+    above = values > kth
+    tied = values == kth
     room = k - above.sum(dim=-1, keepdim=True)
     selected = above | (tied & (torch.cumsum(tied, dim=-1) <= room))
-    rows = log_probs.shape[:-1]
-    ids = selected.reshape(-1, log_probs.shape[-1]).nonzero()[:, 1]  # row-major: ids ascending
+    rows = values.shape[:-1]
+    ids = selected.reshape(-1, values.shape[-1]).nonzero()[:, 1]  # row-major: ids ascending
     if ids.numel() != k * math.prod(rows):
         raise ValueError("draft_logits contain NaN: cannot rank the draft tokens")
     ids = ids.reshape(*rows, k)
-    values = log_probs.gather(-1, ids)
-    by_value = torch.argsort(-values, dim=-1, stable=True)
-    return values.gather(-1, by_value), ids.gather(-1, by_value)
+    top = values.gather(-1, ids)
+    by_value = torch.argsort(-top, dim=-1, stable=True)
+    return top.gather(-1, by_value), ids.gather(-1, by_value)
 
 
 def _score_dtype(device: torch.device) -> torch.dtype:
@@ -132,8 +143,37 @@ def build_tree(draft_logits: Tensor, budget: int, *, topk_cap: int | None = None
     if budget == 0 or horizon == 0 or vocab == 0:
         return empty_tree(b, budget, horizon, device)
 
-    k = min(budget, vocab, topk_cap or budget)
-    top_lp, top_ids = topk_log_probs(draft_logits, k)  # [b, L, K]
+    top_lp, top_ids = topk_log_probs(draft_logits, topk_width(budget, vocab, topk_cap))  # [b, L, K]
+    return _build_from_topk(top_lp, top_ids, budget)
+
+
+def build_tree_from_topk(top: DraftTopK, budget: int, *, topk_cap: int | None = None) -> DraftTree:
+    """:func:`build_tree` from the per-depth top-K lists ``[b, L, K]`` instead of the logits: the
+    same tree, node for node, when ``top`` holds what :func:`topk_log_probs` gives for the full
+    vocabulary (a vocabulary-parallel head merges it without ever holding ``[b, L, V]``).
+
+    K = min(top.k, budget, topk_cap): ``top`` may carry more candidates than the tree can use.
+    """
+    check_topk_inputs(top, topk_cap)
+    b, horizon, width = top.ids.shape
+    budget = max(int(budget), 0)
+    k = topk_width(budget, width, topk_cap)
+    if budget == 0 or horizon == 0 or k == 0:
+        return empty_tree(b, budget, horizon, top.ids.device)
+    top_lp, top_ids = top.log_probs[..., :k], top.ids[..., :k]
+    kernel = _kernel_for("build_tree_from_topk", top_lp)
+    if kernel is not None:
+        from ddtree_runtime import kernels
+
+        if kernels.supports_build(horizon, k, k):  # the rule build_tree follows for its kernel
+            return kernel(DraftTopK(top_lp, top_ids, top.logsumexp), budget)
+    return _build_from_topk(top_lp, top_ids, budget)
+
+
+def _build_from_topk(top_lp: Tensor, top_ids: Tensor, budget: int) -> DraftTree:
+    """The plain path's build (see :func:`build_tree`) from top-K ``[b, L, K]``, K >= 1, budget >= 1."""
+    b, horizon, k = top_lp.shape
+    device = top_lp.device
     sdt = _score_dtype(device)
     lp64 = top_lp.to(sdt).clamp(min=_LOG_PROB_FLOOR if sdt == torch.float64 else -1e30)
 

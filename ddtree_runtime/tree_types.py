@@ -15,16 +15,44 @@ from torch import Tensor
 
 __all__ = [
     "CommitPlan",
+    "DraftTopK",
     "DraftTree",
     "VerifyInputs",
     "WalkResult",
     "check_build_inputs",
     "check_rows",
+    "check_topk_inputs",
     "empty_tree",
+    "topk_width",
 ]
 
 # --------------------------------------------------------------------------------------------
 # Results
+
+
+@dataclass(frozen=True)
+class DraftTopK:
+    """What the tree build reads of the drafter's per-depth distribution: each row's top-K
+    log-probabilities over the FULL vocabulary, in the order (log-prob descending, id ascending),
+    and the row's logsumexp. Made from full logits (``tree.topk_log_probs``) or merged over a
+    vocabulary-parallel head (``ddtree_runtime.tp_head``) without the ``[rows, V]`` logits.
+    """
+
+    log_probs: Tensor  # [..., K] float32
+    ids: Tensor  # [..., K] int64, global vocabulary ids
+    logsumexp: Tensor  # [...] float32, over the whole vocabulary
+
+    @property
+    def k(self) -> int:
+        return int(self.ids.shape[-1])
+
+    def reshape(self, *lead: int) -> DraftTopK:
+        """The same rows under another leading shape (``[b * L]`` -> ``[b, L]``)."""
+        return DraftTopK(
+            log_probs=self.log_probs.reshape(*lead, self.k),
+            ids=self.ids.reshape(*lead, self.k),
+            logsumexp=self.logsumexp.reshape(*lead),
+        )
 
 
 @dataclass(frozen=True)
@@ -129,6 +157,28 @@ def check_build_inputs(draft_logits: Tensor, topk_cap: int | None) -> None:
         raise ValueError(f"draft_logits must be [batch, L, V], got shape {tuple(draft_logits.shape)}")
     if not draft_logits.is_floating_point():
         raise ValueError(f"draft_logits must be a float tensor, got {draft_logits.dtype}")
+    if topk_cap is not None and topk_cap < 1:
+        raise ValueError(f"topk_cap must be >= 1 or None, got {topk_cap}")
+
+
+def topk_width(budget: int, vocab: int, topk_cap: int | None = None) -> int:
+    """K, the candidates per depth the tree can use: min(budget, V, top-k cap)."""
+    budget = max(int(budget), 0)
+    return min(budget, int(vocab), topk_cap or budget)
+
+
+def check_topk_inputs(top: DraftTopK, topk_cap: int | None) -> None:
+    """The argument checks every ``build_tree_from_topk`` makes before any work."""
+    if top.log_probs.dim() != 3 or top.ids.shape != top.log_probs.shape:
+        raise ValueError(
+            "draft top-K must be log_probs and ids of one shape [batch, L, K], got "
+            f"{tuple(top.log_probs.shape)} and {tuple(top.ids.shape)}"
+        )
+    if top.log_probs.dtype != torch.float32 or top.ids.dtype != torch.int64:
+        raise ValueError(
+            "draft top-K must be float32 log-probs and int64 ids, "
+            f"got {top.log_probs.dtype} / {top.ids.dtype}"
+        )
     if topk_cap is not None and topk_cap < 1:
         raise ValueError(f"topk_cap must be >= 1 or None, got {topk_cap}")
 

@@ -20,9 +20,18 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from ddtree_runtime.tree_types import CommitPlan, DraftTree, VerifyInputs, WalkResult
+    from ddtree_runtime.tree_types import CommitPlan, DraftTopK, DraftTree, VerifyInputs, WalkResult
 
-__all__ = ["available", "build_tree", "commit_plan", "compile_tree", "supports_build", "walk_greedy"]
+__all__ = [
+    "available",
+    "build_tree",
+    "build_tree_from_topk",
+    "commit_plan",
+    "compile_tree",
+    "shard_topk",
+    "supports_build",
+    "walk_greedy",
+]
 
 
 def available() -> bool:
@@ -73,6 +82,34 @@ def build_tree(draft_logits: Tensor, budget: int, *, topk_cap: int | None = None
     return tree_types.DraftTree(
         tokens=tokens, depths=depths, parents=parents, scores=scores, num_nodes=num_nodes, horizon=horizon
     )
+
+
+def build_tree_from_topk(top: DraftTopK, budget: int) -> DraftTree:
+    """Kernel version of ``tree.build_tree_from_topk`` (K = top.k, already cut): one build launch."""
+    from ddtree_runtime import tree_types
+
+    from .build import build_from_topk
+
+    _check_device(top.log_probs, "top.log_probs")
+    tokens, depths, parents, scores, num_nodes = build_from_topk(top.log_probs, top.ids, budget)
+    return tree_types.DraftTree(
+        tokens=tokens, depths=depths, parents=parents, scores=scores, num_nodes=num_nodes,
+        horizon=int(top.ids.shape[1]),
+    )
+
+
+def shard_topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A vocabulary shard's exact top-``k`` by (logit descending, id ascending): (fp32 logits
+    ``[..., k]``, int64 LOCAL ids, fp32 row max, fp32 row sum of exp(x - max)), 3-4 launches
+    (``topk.topk_launches(raw=True)``)."""
+    from .topk import topk_launches
+
+    _check_device(logits, "logits")
+    launches, values, ids, lse = topk_launches(logits, k, raw=True)
+    for _, launch in launches:
+        launch()
+    lead = logits.shape[:-1]
+    return values, ids, lse[:, 0].reshape(lead), lse[:, 2].reshape(lead)
 
 
 def compile_tree(draft: DraftTree, root_tokens: Tensor, prefix_lens: Tensor) -> VerifyInputs:

@@ -16,7 +16,10 @@ over a row costs a few us. So nothing here sorts more than 4 K <= 512 keys:
    compacted into one candidate list.
 3. ``_rank_kernel``, grid (row, P): every candidate's log-prob, and its rank among the row's
    candidates by (log-prob descending, id ascending), counted pairwise; rank < k is written to
-   its place. Ranks are unique (ids are), so the output is exactly the stable order.
+   its place. Ranks are unique (ids are), so the output is exactly the stable order. With
+   ``RAW`` (a vocabulary shard's top-K under tensor parallelism, ``ddtree_runtime.tp_head``) it
+   ranks and writes the logits themselves, by (logit descending, id ascending), and the row's
+   max and sum-exp are the rest of the output.
 
 Keys are int64: order-preserving float bits, then the inverted id, so one integer comparison
 orders by value and then by lower id. The log-prob is ``(x - max) - log(sum)`` in fp32 as
@@ -180,7 +183,7 @@ def _gather_kernel(
     n_chunks,
     cand_ptr,  # [rows, n_chunks * CAP] int64 out: the row's keys above tau
     ncand_ptr,  # [rows] int32 out
-    lse_ptr,  # [rows, 2] fp32 out: max, log(sum-exp)
+    lse_ptr,  # [rows, 3] fp32 out: max, log(sum-exp), sum-exp
     CAP: tl.constexpr,
     NCP: tl.constexpr,
     BJ: tl.constexpr,
@@ -200,8 +203,9 @@ def _gather_kernel(
         log_sum = libdevice.log(total)
     else:
         log_sum = tl.log(total)
-    tl.store(lse_ptr + row * 2, m)
-    tl.store(lse_ptr + row * 2 + 1, log_sum)
+    tl.store(lse_ptr + row * 3, m)
+    tl.store(lse_ptr + row * 3 + 1, log_sum)
+    tl.store(lse_ptr + row * 3 + 2, total)
     tau = tl.max(tl.load(bound_ptr + row * n_chunks + cs, mask=cmask, other=_PAD_KEY), axis=0)
     counts = tl.load(count_ptr + row * n_chunks + cs, mask=cmask, other=0)
     out = cand_ptr + row * n_chunks * CAP
@@ -231,8 +235,11 @@ def _gather_kernel(
 
 
 @triton.jit
-def _lp_key(key, m, log_sum):
+def _lp_key(key, m, log_sum, RAW: tl.constexpr):
+    """(ranking key, value written, id): the log-prob's key, or with RAW the logit's own."""
     x, ids = _decode(key)
+    if RAW:
+        return key, x, ids
     lp = (x - m) - log_sum
     return tl.where(key == _PAD_KEY, _PAD_KEY, _encode(lp, ids)), lp, ids
 
@@ -244,25 +251,26 @@ def _rank_kernel(
     lse_ptr,
     cand_stride,
     k,
-    lp_ptr,  # [rows, k] fp32 out
+    lp_ptr,  # [rows, k] fp32 out (with RAW: the logits)
     ids_ptr,  # [rows, k] int64 out
     BI: tl.constexpr,
     BJ: tl.constexpr,
+    RAW: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     parts = tl.num_programs(1)
     n = tl.load(ncand_ptr + row)
-    m = tl.load(lse_ptr + row * 2)
-    log_sum = tl.load(lse_ptr + row * 2 + 1)
+    m = tl.load(lse_ptr + row * 3)
+    log_sum = tl.load(lse_ptr + row * 3 + 1)
     cand = cand_ptr + row * cand_stride
     for i0 in range(part * BI, n, parts * BI):
         i = i0 + tl.arange(0, BI)
-        ki, lp, ids = _lp_key(tl.load(cand + i, mask=i < n, other=_PAD_KEY), m, log_sum)
+        ki, lp, ids = _lp_key(tl.load(cand + i, mask=i < n, other=_PAD_KEY), m, log_sum, RAW)
         rank = tl.zeros([BI], tl.int32)
         for j0 in range(0, n, BJ):
             j = j0 + tl.arange(0, BJ)
-            kj, _, _ = _lp_key(tl.load(cand + j, mask=j < n, other=_PAD_KEY), m, log_sum)
+            kj, _, _ = _lp_key(tl.load(cand + j, mask=j < n, other=_PAD_KEY), m, log_sum, RAW)
             rank += tl.sum((kj[None, :] > ki[:, None]).to(tl.int32), axis=1)
         ok = (i < n) & (rank < k)
         tl.store(lp_ptr + row * k + rank, lp, mask=ok)
@@ -304,7 +312,7 @@ def topk_log_probs(
     ``chunk`` (a multiple of the tile), ``cap`` (buffer slots per chunk, a power of two of at
     least 2 * KC + tile: small = frequent tightening) and ``tile`` override the plan, for tests.
     """
-    launches, lp, ids = topk_launches(logits, k, chunk=chunk, cap=cap, tile=tile)
+    launches, lp, ids, _ = topk_launches(logits, k, chunk=chunk, cap=cap, tile=tile)
     for _, launch in launches:
         launch()
     return lp, ids
@@ -366,9 +374,17 @@ def config(
 
 
 def topk_launches(
-    logits: torch.Tensor, k: int, *, chunk: int | None = None, cap: int | None = None, tile: int | None = None
-) -> tuple[list[tuple[str, Callable[[], None]]], torch.Tensor, torch.Tensor]:
-    """The 3-4 launches of :func:`topk_log_probs`, named, and its output tensors (for the bench)."""
+    logits: torch.Tensor,
+    k: int,
+    *,
+    chunk: int | None = None,
+    cap: int | None = None,
+    tile: int | None = None,
+    raw: bool = False,
+) -> tuple[list[tuple[str, Callable[[], None]]], torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The 3-4 launches of :func:`topk_log_probs`, named, and its output tensors (values, ids,
+    and ``[rows, 3]`` fp32 max / log(sum-exp) / sum-exp per row). ``raw``: the values are the top-k
+    logits by (logit descending, id ascending) instead of log-probs (a vocabulary shard's list)."""
     vocab = logits.shape[-1]
     lead = logits.shape[:-1]
     x = logits.reshape(-1, vocab)
@@ -384,11 +400,11 @@ def topk_launches(
     csum = torch.empty((rows, c.n_chunks), dtype=torch.float32, device=dev)
     cand = torch.empty((rows, c.n_chunks * c.cap), dtype=torch.int64, device=dev)
     ncand = torch.empty((rows,), dtype=torch.int32, device=dev)
-    lse = torch.empty((rows, 2), dtype=torch.float32, device=dev)
+    lse = torch.empty((rows, 3), dtype=torch.float32, device=dev)
     lp = torch.empty((rows, k), dtype=torch.float32, device=dev)
     ids = torch.empty((rows, k), dtype=torch.int64, device=dev)
     if not rows:
-        return [], lp.reshape(*lead, k), ids.reshape(*lead, k)
+        return [], lp.reshape(*lead, k), ids.reshape(*lead, k), lse
     precise = os.environ.get("TRITON_INTERPRET") != "1"
 
     def chunks() -> None:
@@ -408,11 +424,11 @@ def topk_launches(
 
     def rank() -> None:
         _rank_kernel[(rows, c.rank_parts)](
-            cand, ncand, lse, c.n_chunks * c.cap, k, lp, ids, BI=64, BJ=128, num_warps=4
+            cand, ncand, lse, c.n_chunks * c.cap, k, lp, ids, BI=64, BJ=128, RAW=raw, num_warps=4
         )
 
     launches = [("topk_chunks", chunks)]
     if c.exact:
         launches.append(("topk_exact", exact))
     launches += [("topk_gather", gather), ("topk_rank", rank)]
-    return launches, lp.reshape(*lead, k), ids.reshape(*lead, k)
+    return launches, lp.reshape(*lead, k), ids.reshape(*lead, k), lse

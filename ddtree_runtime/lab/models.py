@@ -79,6 +79,11 @@ class TargetConfig:
                 architectures=["Qwen3_5ForCausalLM"],
                 model_type="qwen3_5_text",
                 full_attention_interval=full[0] + 1 if full else 0,
+                # What the lab's attention layers are, in the keys SGLang's Qwen3.5 class reads (its
+                # defaults are Qwen3.6's: a gated output and RoPE on a quarter of each head).
+                attn_output_gate=False,
+                partial_rotary_factor=1.0,
+                rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
                 mamba_ssm_dtype="float32",
                 **{k: v for k, v in asdict(self).items() if k.startswith("linear_")},
             )
@@ -151,15 +156,23 @@ class DraftConfig:
         return cls(**kwargs)
 
 
+# Qwen3.5's decoder norms scale by 1 + weight (its GDN layer's gated norm does not).
+QWEN3_5_NORM_OFFSET = 1.0
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """``offset`` 1.0 is Qwen3.5's convention (``Qwen3_5RMSNorm``, SGLang's ``GemmaRMSNorm``): the scale is
+    ``1 + weight``, so a checkpoint's norm weights mean what SGLang's Qwen3.5 class reads them as."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: Tensor) -> Tensor:
         var = x.pow(2).mean(-1, keepdim=True)
-        return x * torch.rsqrt(var + self.eps) * self.weight
+        return x * torch.rsqrt(var + self.eps) * (self.weight + self.offset if self.offset else self.weight)
 
 
 def apply_rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
@@ -197,15 +210,17 @@ class SwiGLU(nn.Module):
 class Attention(nn.Module):
     """Qwen3 attention projections; the caller decides where K/V come from and who sees whom."""
 
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float) -> None:
+    def __init__(
+        self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float, offset: float = 0.0
+    ) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
         self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
-        self.q_norm = RMSNorm(head_dim, eps)
-        self.k_norm = RMSNorm(head_dim, eps)
+        self.q_norm = RMSNorm(head_dim, eps, offset)
+        self.k_norm = RMSNorm(head_dim, eps, offset)
 
     def _split(self, x: Tensor, heads: int) -> Tensor:
         b, n, _ = x.shape
@@ -220,11 +235,11 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hidden, heads, kv_heads, head_dim, inter, eps) -> None:
+    def __init__(self, hidden, heads, kv_heads, head_dim, inter, eps, offset: float = 0.0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(hidden, eps)
-        self.self_attn = Attention(hidden, heads, kv_heads, head_dim, eps)
-        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.input_layernorm = RMSNorm(hidden, eps, offset)
+        self.self_attn = Attention(hidden, heads, kv_heads, head_dim, eps, offset)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, offset)
         self.mlp = SwiGLU(hidden, inter)
 
 
@@ -284,9 +299,9 @@ class GatedDeltaNet(nn.Module):
 class GDNDecoderLayer(nn.Module):
     def __init__(self, cfg: TargetConfig) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, QWEN3_5_NORM_OFFSET)
         self.linear_attn = GatedDeltaNet(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, QWEN3_5_NORM_OFFSET)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
 
@@ -392,6 +407,7 @@ class TargetModel(nn.Module):
         self.cfg = cfg
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        offset = QWEN3_5_NORM_OFFSET if cfg.is_hybrid else 0.0  # a hybrid is a Qwen3.5 checkpoint
         self.model.layers = nn.ModuleList(
             GDNDecoderLayer(cfg)
             if cfg.layer_type(i) == "linear_attention"
@@ -402,10 +418,11 @@ class TargetModel(nn.Module):
                 cfg.head_dim,
                 cfg.intermediate_size,
                 cfg.rms_norm_eps,
+                offset,
             )
             for i in range(cfg.num_hidden_layers)
         )
-        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.gdn_layers = [i for i in range(cfg.num_hidden_layers) if cfg.layer_type(i) == "linear_attention"]
 
@@ -541,10 +558,15 @@ def init_weights(module: nn.Module, generator: torch.Generator) -> None:
     for name, p in sorted(module.named_parameters()):
         with torch.no_grad():
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                p.fill_(1.0 - _norm_offset(module, name))
             else:
                 std = 0.02 if "embed" in name else 1.0 / math.sqrt(p.shape[-1])
                 p.copy_(torch.randn(p.shape, generator=generator) * std)
+
+
+def _norm_offset(module: nn.Module, param_name: str) -> float:
+    owner = module.get_submodule(param_name.rsplit(".", 1)[0])
+    return float(getattr(owner, "offset", 0.0))
 
 
 def _read_config(directory: Path) -> dict:

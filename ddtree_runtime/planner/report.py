@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ddtree_runtime.planner.tensor_parallel import tensor_parallel
+
 if TYPE_CHECKING:
     from ddtree_runtime.planner.accounting import Plan
     from ddtree_runtime.planner.fixes import Change
@@ -94,6 +96,9 @@ def format_plan(
         )
     for note in plan.notes:
         lines.append(f"  note: {note}")
+    tp = tensor_parallel(plan)
+    if tp is not None:
+        lines.extend(tp.lines())
     v = plan.verdict
     status = _STATUS[v.status]
     if v.status == "fits":
@@ -177,5 +182,6 @@ def plan_to_dict(plan: Plan, changes: list[Change] | None = None) -> dict[str, A
         "running_requests": plan.running_requests,
         "mamba_slots": plan.mamba_slots,
         "notes": list(plan.notes),
+        "tensor_parallel": None if (tp := tensor_parallel(plan)) is None else tp.to_dict(),
         "changes": [c.to_dict() for c in changes or []],
     }

@@ -106,6 +106,7 @@ class TargetModel:
     multimodal: bool = False
     vision_layers: int = 0
     vision_hidden: int = 0
+    vocab_size: int = 0  # the LM head's rows (the drafter borrows it); 0 when the config names none
 
     @property
     def hybrid(self) -> bool:
@@ -320,7 +321,12 @@ def _target(path: str, config: dict[str, Any], tensors: dict[str, Any]) -> Targe
         # Qwen3.5's vision tower, which names it `depth`): the planner reads it the same way.
         vision_layers=int((vision or {}).get("num_hidden_layers") or 24) if vision else 0,
         vision_hidden=int((vision or {}).get("hidden_size") or 0),
+        vocab_size=_vocab_size(_pick(text, config, "vocab_size", 0)),
     )
+
+
+def _vocab_size(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def _draft(path: str, config: dict[str, Any], tensors: dict[str, Any], target: TargetModel) -> DraftModel:

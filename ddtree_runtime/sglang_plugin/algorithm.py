@@ -27,6 +27,9 @@ from ddtree_runtime.sglang_plugin.names import ALGORITHM
 logger = logging.getLogger(__name__)
 
 RESOLUTION_SOURCE = "ddtree_plugin"
+# The largest budget the H200 suite has shown token-identical to the plain server with CUDA graphs on
+# (tests/gpu/test_real_server_gpu.py); at 64 one lab prompt differed (docs/bench/gpu-lab-server.md).
+VALIDATED_MAX_BUDGET = 32
 RESOLVED_ATTR = "_ddtree_resolved"
 
 
@@ -205,6 +208,12 @@ def resolve_server_args(server_args: Any) -> None:
         "DDTREE: budget %d (verify width %d), drafter block %d, top-k cap %s",
         budget, budget + 1, block, args.topk_cap,
     )
+    if budget > VALIDATED_MAX_BUDGET and not chain:
+        logger.warning(
+            "DDTREE budget %d is above %d, the largest shown lossless on the H200 with CUDA graphs on "
+            "(docs/bench/gpu-lab-server.md: budget 64 differed from plain decoding on one lab prompt); "
+            "run `ddtree probe live` on this server before it takes traffic.", budget, VALIDATED_MAX_BUDGET,
+        )
 
 
 def resolved_settings(record: Any) -> dict[str, Any] | None:

@@ -10,8 +10,10 @@ request's slot. DDTREE reaches that code with four seams, no edited SGLang file
 1. ``DDTreeVerifyInput``: DFlash's verify input plus ``retrieve_next_token`` /
    ``retrieve_next_sibling`` (our tree's links, rows in parent-before-child order), the fields the
    hybrid backend reads in its tree branch;
-2. ``tree_verify_branch``: the backend decides "tree" from ``self.topk``, read once at start-up from
-   ``speculative_eagle_topk`` (1 under DDTREE); it is raised for the span of a DDTREE verify;
+2. ``graph_sites.linear_backend_tree_hook``: the backend decides "tree" from ``self.topk``, read once
+   at start-up from ``speculative_eagle_topk`` (1 under DDTREE); in tree configurations the target's
+   backend answers "tree" from its construction, so CUDA-graph captures and eager verifies alike
+   take the tree branch (raising it only around a verify left the chain kernels in the graphs);
 3. ``sites.conv_window_dedup_hook``: SGLang picks the deduplicated (overlapping) conv scratch for top-k <= 1
    on CUDA, right only for chains; for DDTREE trees the pool gets the dense per-row layout;
 4. ``commit_tree_state``: ``spec_utils.commit_mamba_states_after_verify`` with the walk's accepted
@@ -25,8 +27,6 @@ refused at start-up (``gates.check_hybrid``, on ``gates.hybrid_kind``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +34,7 @@ import torch
 from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from torch import Tensor
 
-from ddtree_runtime.sglang_plugin.sites import CONV_WINDOW_DEDUP, TREE_TOPK
+from ddtree_runtime.sglang_plugin.sites import CONV_WINDOW_DEDUP
 
 logger = logging.getLogger(__name__)
 
@@ -47,29 +47,6 @@ class DDTreeVerifyInput(DFlashVerifyInput):
 
     retrieve_next_token: Tensor | None = None
     retrieve_next_sibling: Tensor | None = None
-
-
-# --- seam 2: the backend's tree branch -----------------------------------------------------------
-def linear_attention_backend(attn_backend: Any) -> Any | None:
-    """The ``MambaAttnBackendBase`` inside a ``HybridLinearAttnBackend`` (None for dense targets)."""
-    return getattr(attn_backend, "linear_attn_backend", None)
-
-
-@contextmanager
-def tree_verify_branch(attn_backend: Any) -> Iterator[None]:
-    """For the span of one DDTREE verify: the hybrid backend takes its tree branch (reads the tree
-    links, allocates ``retrieve_parent_token``, so the conv and recurrent kernels follow parents).
-    A no-op on dense targets."""
-    linear = linear_attention_backend(attn_backend)
-    if linear is None:
-        yield
-        return
-    saved = linear.topk
-    linear.topk = max(int(saved or 0), TREE_TOPK)
-    try:
-        yield
-    finally:
-        linear.topk = saved
 
 
 # --- seam 3: dense conv scratch (the hook lives in sites.py: registration imports nothing heavy) ----

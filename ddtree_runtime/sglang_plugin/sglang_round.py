@@ -4,8 +4,9 @@ builds its own (0.5.23), with the tree's width, mask and positions.
 
 Run for real in SGLang 0.5.23's own scheduler on CPU (tests/sglang/test_real_server.py, lab host
 ct131): trees token-identical to the server without speculation, batched and with requests joining a
-running batch. The GPU attention backends and CUDA graphs are not on our machines; the CPU run uses
-the lab's torch_native tree verify (docs/sglang-cpu-lab.md). Everything it hands to (tree, walk,
+running batch; the CPU run uses the lab's torch_native tree verify (docs/sglang-cpu-lab.md). On the
+H200 (the GPU lab, docs/sglang-gpu-lab.md) the target verify replays graphs captured for trees
+(``graph_sites``) with SGLang's Triton backend. Everything it hands to (tree, walk,
 commit, gather) is also tested on CPU with SGLang's real pools (tests/sglang/test_tree_decode.py).
 """
 
@@ -22,36 +23,10 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import draft_tp_context
 from torch import Tensor
 
-from ddtree_runtime.sglang_plugin.hybrid import DDTreeVerifyInput, tree_verify_branch
+from ddtree_runtime.sglang_plugin.draft_head import draft_head
+from ddtree_runtime.sglang_plugin.hybrid import DDTreeVerifyInput
 from ddtree_runtime.sglang_plugin.tree_step import TreeVerifyBatch
-
-
-def full_vocab_logits(hidden: Tensor, lm_head: Any, vocab_size: int, tp_group: Any = None) -> Tensor:
-    """fp32 logits over the GLOBAL vocabulary from a (possibly vocabulary-parallel) LM head: the
-    tree ranks every token by its log-softmax, so each rank needs all of them under global ids.
-
-    A shard's weight rows ``[0, num_org)`` hold ids ``[org_vocab_start, +num_org)``, then padding
-    (SGLang's ``VocabParallelEmbedding.shard_indices``); gathering the padded shards side by side
-    would shift every id after the first shard's padding. Each rank writes its ids into a
-    ``-inf`` row and a MAX all-reduce over the TP group assembles the vocabulary. Added-vocabulary
-    rows are not ranked (as in every DDTree port)."""
-    weight = lm_head.weight
-    shard = getattr(lm_head, "shard_indices", None)
-    if shard is None:
-        start, num = 0, min(int(weight.shape[0]), vocab_size)
-    else:
-        start, num = int(shard.org_vocab_start_index), int(shard.num_org_elements)
-    local = torch.matmul(hidden.to(weight.dtype), weight[:num].t()).float()
-    world = 1 if tp_group is None else int(tp_group.world_size)
-    if world == 1 and start == 0 and num == vocab_size:
-        return local
-    out = torch.full((hidden.shape[0], vocab_size), float("-inf"), device=local.device)
-    out[:, start: start + num] = local
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=tp_group.device_group)
-    return out
+from ddtree_runtime.tree_types import DraftTopK
 
 
 class SGLangRoundModels:
@@ -66,7 +41,7 @@ class SGLangRoundModels:
     # --- drafter: DFlash's block, unchanged ---------------------------------------------------
     def draft_block(
         self, block_ids: Tensor, positions: Tensor, cache_loc: Tensor, req_pool_indices: Tensor
-    ) -> Tensor:
+    ) -> Tensor | DraftTopK:
         w, batch = self.worker, self.batch
         bs, block = block_ids.shape
         target_model = w.target_worker.model_runner.model
@@ -113,10 +88,17 @@ class SGLangRoundModels:
         hidden = hidden.view(bs, block, -1)
         lm_head = target_model.lm_head
         vocab = int(w.model_runner.model_config.vocab_size)
+        settings = w.ddtree_settings
         with draft_tp_context(w.draft_parallel_layout):
             rows = hidden[:, 1:].reshape(-1, hidden.shape[-1])
-            logits = full_vocab_logits(rows, lm_head, vocab, get_parallel().tp_group)
-        logits = logits.view(bs, block - 1, -1)
+            # TP: a vocabulary shard per rank, top-K + logsumexp exchanged (draft_head, tp_head)
+            head = draft_head(
+                rows, lm_head, vocab, get_parallel().tp_group,
+                budget=int(settings["budget"]), topk_cap=settings["topk_cap"],
+            )
+        if isinstance(head, DraftTopK):
+            return head.reshape(bs, block - 1)  # depths 1..L only
+        logits = head.view(bs, block - 1, -1)
         root = torch.zeros((bs, 1, logits.shape[-1]), dtype=logits.dtype, device=logits.device)
         return torch.cat([root, logits], dim=1).view(bs * block, -1)  # slot 0 (bonus) is not read
 
@@ -149,15 +131,15 @@ class SGLangRoundModels:
         if batch.seq_lens_cpu is not None:
             batch.seq_lens_cpu = batch.seq_lens_cpu + rows
             batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
-        runner = w.target_worker.model_runner
-        with tree_verify_branch(runner.attn_backend):  # GDN layers follow the tree's parents
-            forward_batch, _ = verify.prepare_for_verify(batch, w.target_worker)
-            batch.seq_lens_cpu, batch.seq_lens_sum = saved
-            # Eager verify: the captured target-verify graphs were recorded without a tree mask.
-            forward_batch.can_run_decode_cuda_graph = False
-            out = w.target_worker.forward_batch_generation(
-                batch=None, forward_batch=forward_batch, is_verify=True
-            )
+        # The batch goes into the target-verify graph's static buffers here when a graph was
+        # captured for this width and batch size (graph_sites: captured with the tree mask and
+        # the GDN tree kernels), else the attention metadata is planned eagerly: either way the
+        # forward must not plan it again (DFLASH passes the same flag, dflash_worker_v2 ~2879).
+        forward_batch, _ = verify.prepare_for_verify(batch, w.target_worker)
+        batch.seq_lens_cpu, batch.seq_lens_sum = saved
+        out = w.target_worker.forward_batch_generation(
+            batch=None, forward_batch=forward_batch, is_verify=True, skip_attn_backend_init=True
+        )
         self.last_target_out = out
         logits_output = out.logits_output
         logits = logits_output.next_token_logits

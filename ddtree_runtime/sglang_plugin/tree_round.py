@@ -2,7 +2,8 @@
 
 The round (ddtree-algorithm.md section 3) is the same whatever runs the models:
 
-1. the drafter's block ``[bonus, MASK x L]`` at positions ``prefix ..`` -> per-depth logits;
+1. the drafter's block ``[bonus, MASK x L]`` at positions ``prefix ..`` -> per-depth logits
+   (or, under tensor parallelism, their merged top-K and logsumexp: ``tp_head``);
 2. ``ddtree_runtime.tree`` builds the tree (CUDA kernels on GPU) and the verify arrays:
    tokens, positions ``prefix + depth``, the ancestor mask (``tree_step.plan_tree_verify``);
 3. ONE target forward over ``budget + 1`` rows per request, written at logical positions
@@ -38,15 +39,17 @@ from ddtree_runtime.sglang_plugin.tree_step import (
     draft_position_logits,
     plan_tree_verify,
 )
-from ddtree_runtime.tree import WalkResult, walk_greedy, walk_sample
+from ddtree_runtime.tree import DraftTopK, WalkResult, walk_greedy, walk_sample
 
 
 class RoundModels(Protocol):
     def draft_block(
         self, block_ids: Tensor, positions: Tensor, cache_loc: Tensor, req_pool_indices: Tensor
-    ) -> Tensor:
+    ) -> Tensor | DraftTopK:
         """Drafter over ``block_ids [b, block]`` (its context: the draft KV of each request's
-        ``req_to_token`` row) -> logits ``[b * block, V]`` over the global vocabulary."""
+        ``req_to_token`` row) -> logits ``[b * block, V]`` over the global vocabulary (slot 0, the
+        bonus, is not read), or, from a vocabulary-parallel head, the per-depth top-K and
+        logsumexp ``DraftTopK [b, block - 1, K]`` merged over the TP group (``tp_head``)."""
 
     def target_verify(
         self, plan: TreeVerifyBatch, cache_loc: Tensor, req_pool_indices: Tensor
@@ -173,22 +176,20 @@ def truncate_at_stop(
     walk: WalkResult, stop_token_ids: tuple[frozenset[int], ...] | None
 ) -> tuple[WalkResult, Tensor]:
     """Cut each request's emitted tokens after its first stop token; the committed rows shrink
-    with them (row k is the node whose output is emitted token k)."""
-    b = walk.emitted.shape[0]
-    finished = torch.zeros(b, dtype=torch.bool, device=walk.emitted.device)
-    if not stop_token_ids:
-        return walk, finished
-    num = walk.num_emitted.clone()
-    for r, stops in enumerate(stop_token_ids):
-        if not stops:
-            continue
-        tokens = walk.emitted[r, : int(num[r])].tolist()
-        for k, tok in enumerate(tokens):
-            if tok in stops:
-                num[r] = k + 1
-                finished[r] = True
-                break
-    steps = torch.arange(walk.emitted.shape[1], device=num.device).expand(b, -1)
+    with them (row k is the node whose output is emitted token k). On the device, with no host
+    read: every request has a stop set (EOS at least), and reading each request's tokens back cost
+    one device sync per request per round."""
+    b, width = walk.emitted.shape
+    device = walk.emitted.device
+    if not stop_token_ids or not any(stop_token_ids):
+        return walk, torch.zeros(b, dtype=torch.bool, device=device)
+    table = _stop_table(tuple(stop_token_ids), device)  # [b, S], -2 where a row has fewer stops
+    steps = torch.arange(width, device=device).expand(b, -1)
+    live = steps < walk.num_emitted.unsqueeze(1)
+    hit = (walk.emitted.unsqueeze(-1) == table.unsqueeze(1)).any(-1) & live
+    finished = hit.any(dim=1)
+    first = hit.to(torch.int8).argmax(dim=1)  # the first True (argmax returns the first maximum)
+    num = torch.where(finished, first + 1, walk.num_emitted)
     live = steps < num.unsqueeze(1)
     emitted = torch.where(live, walk.emitted, -1)
     last = emitted.gather(1, (num - 1).unsqueeze(1)).squeeze(1)
@@ -201,6 +202,26 @@ def truncate_at_stop(
         tree_rows=walk.tree_rows,
     )
     return cut, finished
+
+
+_stop_tables: dict[tuple[tuple[frozenset[int], ...], str], Tensor] = {}
+
+
+def _stop_table(stops: tuple[frozenset[int], ...], device: torch.device) -> Tensor:
+    """The batch's stop sets as a device tensor, kept while the batch's stop sets stay the same (they
+    change only when requests join or leave), so a round copies nothing to the device for them."""
+    key = (stops, str(device))
+    table = _stop_tables.get(key)
+    if table is None:
+        width = max(1, max(len(s) for s in stops))
+        host = torch.full((len(stops), width), -2, dtype=torch.long)
+        for r, ids in enumerate(stops):
+            if ids:
+                host[r, : len(ids)] = torch.tensor(sorted(ids), dtype=torch.long)
+        table = host.to(device)
+        _stop_tables.clear()  # one batch composition at a time
+        _stop_tables[key] = table
+    return table
 
 
 def run_tree_round(

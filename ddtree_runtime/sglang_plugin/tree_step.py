@@ -20,10 +20,12 @@ import torch
 from torch import Tensor
 
 from ddtree_runtime.tree import (
+    DraftTopK,
     DraftTree,
     VerifyInputs,
     WalkResult,
     build_tree,
+    build_tree_from_topk,
     compile_tree,
     verify_attention_mask,
     walk_posterior,
@@ -55,9 +57,17 @@ class TreeAccept:
     bonus: Tensor  # [b]
 
 
-def draft_position_logits(block_logits: Tensor, batch_size: int) -> Tensor:
+def draft_position_logits(block_logits: Tensor | DraftTopK, batch_size: int) -> Tensor | DraftTopK:
     """The drafter's block output ``[b * block, V]`` (slot 0 = bonus) -> per-depth logits
-    ``[b, L, V]`` for depths 1..L (slots 1..block-1)."""
+    ``[b, L, V]`` for depths 1..L (slots 1..block-1). A ``DraftTopK`` (a vocabulary-parallel head's
+    merge) holds depths 1..L already: ``[b, L, K]``, passed through."""
+    if isinstance(block_logits, DraftTopK):
+        if block_logits.ids.dim() != 3 or block_logits.ids.shape[0] != batch_size:
+            raise ValueError(
+                f"draft top-K must be [batch, L, K] with batch {batch_size}, "
+                f"got {tuple(block_logits.ids.shape)}"
+            )
+        return block_logits
     if block_logits.dim() != 2 or block_logits.shape[0] % batch_size:
         raise ValueError(
             f"draft block logits must be [batch * block, V] with batch {batch_size}, "
@@ -68,15 +78,19 @@ def draft_position_logits(block_logits: Tensor, batch_size: int) -> Tensor:
 
 
 def plan_tree_verify(
-    draft_logits: Tensor,
+    draft_logits: Tensor | DraftTopK,
     root_tokens: Tensor,
     prefix_lens: Tensor,
     budget: int,
     *,
     topk_cap: int | None = None,
 ) -> TreeVerifyBatch:
-    """Build each request's tree and the verify inputs SGLang's target forward takes."""
-    tree = build_tree(draft_logits, budget, topk_cap=topk_cap)
+    """Build each request's tree and the verify inputs SGLang's target forward takes, from the
+    per-depth logits ``[b, L, V]`` or their top-K and logsumexp (``DraftTopK [b, L, K]``)."""
+    if isinstance(draft_logits, DraftTopK):
+        tree = build_tree_from_topk(draft_logits, budget, topk_cap=topk_cap)
+    else:
+        tree = build_tree(draft_logits, budget, topk_cap=topk_cap)
     inputs = compile_tree(tree, root_tokens, prefix_lens)
     masks = verify_attention_mask(inputs, prefix_lens)
     return TreeVerifyBatch(

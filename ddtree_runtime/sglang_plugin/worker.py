@@ -171,6 +171,25 @@ def _tree_refusal(settings: dict[str, Any], hits: list[str]) -> str:
     )
 
 
+class TreeGraphsNotCaptured(DDTreeConfigError):
+    """The target's CUDA graphs would replay a chain's verify for trees (the message says why)."""
+
+
+def check_tree_graphs(runner: Any) -> None:
+    """Worker start, tree configurations: a hybrid target's linear-attention backend must be in
+    tree mode before anything is captured (``graph_sites.linear_backend_tree_hook``); otherwise its
+    graphs hold the chain kernels and every tree verify would commit wrong recurrent state."""
+    from ddtree_runtime.sglang_plugin.graph_sites import LINEAR_BACKEND_INIT, linear_backend_in_tree_mode
+
+    if linear_backend_in_tree_mode(runner.attn_backend) is False:
+        raise TreeGraphsNotCaptured(
+            "DDTREE trees on a hybrid target need its linear-attention backend in tree mode from "
+            f"construction, but it answers top-k {runner.attn_backend.linear_attn_backend.topk}: the "
+            f"plugin's hook on {LINEAR_BACKEND_INIT} did not run (is SGLANG_PLUGINS set for the "
+            "scheduler processes?). Its graphs would verify every tree as a chain."
+        )
+
+
 class DDTreeWorker(DFlashWorkerV2):
     """DFlash drafter + DDTREE tree verify (see module docstring)."""
 
@@ -197,22 +216,46 @@ class DDTreeWorker(DFlashWorkerV2):
             )
         self._publish(self._ddtree_handshake.to_dict())
         super().__init__(server_args, gpu_id, nccl_port, target_worker)
-        check_tree_worker_features(settings, self)
         if not is_chain(settings):
-            # DFlashWorkerV2 sizes its drafter block from speculative_num_draft_tokens, which for a
-            # tree is the shared KV window max(budget + 1, block). The drafter keeps its own block;
-            # the window stays speculative_num_draft_tokens (what the scheduler reserves).
-            from sglang.srt.speculative.draft_worker_common import (
-                build_block_pos_offsets,
-                make_draft_block_spec_info,
-            )
+            self._adopt_drafter_block()
 
-            self.block_size = int(settings["block_size"])
-            self.draft_model.set_block_size(self.block_size)
-            self._block_pos_offsets = build_block_pos_offsets(length=self.block_size, device=self.device)
-            self._draft_block_spec_info = make_draft_block_spec_info(
-                draft_token_num=self.block_size, device=self.device
-            )
+    def init_cuda_graphs(self) -> None:
+        """The scheduler calls this once the pools and attention backends exist (SGLang 0.5.23 builds
+        workers first, then pools, backends and graphs, the target's before the drafter's): the
+        tree checks that read them run here, before the drafter's graphs are captured."""
+        check_tree_worker_features(self.ddtree_settings, self)
+        if not is_chain(self.ddtree_settings):
+            check_tree_graphs(self.target_worker.model_runner)
+        super().init_cuda_graphs()
+
+    def _adopt_drafter_block(self) -> None:
+        """DFlashWorkerV2 sizes its drafter block from speculative_num_draft_tokens, which for a
+        tree is the shared KV window max(budget + 1, block). The drafter keeps its own block; the
+        window stays speculative_num_draft_tokens (what the scheduler reserves)."""
+        from sglang.srt.speculative.draft_worker_common import (
+            build_block_pos_offsets,
+            make_draft_block_spec_info,
+        )
+
+        self.block_size = int(self.ddtree_settings["block_size"])
+        self.draft_model.set_block_size(self.block_size)
+        self._block_pos_offsets = build_block_pos_offsets(length=self.block_size, device=self.device)
+        self._draft_block_spec_info = make_draft_block_spec_info(
+            draft_token_num=self.block_size, device=self.device
+        )
+
+    def _maybe_build_draft_sampler(self) -> Any:
+        """Called by DFlashWorkerV2 right before it captures the drafter's graphs
+        (``dflash_worker_v2.py`` ~743). The chain case keeps DFLASH's greedy head folded into the
+        draft graph. A tree ranks the drafter's full per-depth logits, so the argmax head (an
+        ``lm_head`` matmul over the vocabulary per block row) would be captured and replayed for
+        nothing: none is built, and the drafter's own block is adopted first so the draft graph is
+        captured for the block the tree round runs."""
+        if is_chain(self.ddtree_settings):
+            return super()._maybe_build_draft_sampler()
+        self._adopt_drafter_block()
+        logger.info("DDTREE: no draft greedy head in the draft graph (the tree ranks every depth's top-K).")
+        return None
 
     def _publish(self, handshake: dict[str, Any]) -> None:
         if self._ddtree_metrics is not None:
@@ -288,7 +331,8 @@ class DDTreeWorker(DFlashWorkerV2):
             logits_output=getattr(target_out, "logits_output", None),
             next_token_ids=result.out_tokens.reshape(-1),
             accept_lens=result.commit_lens.to(torch.int32),
-            can_run_cuda_graph=False,
+            # The target verify's own answer: replayed from a graph captured for trees, or eager.
+            can_run_cuda_graph=bool(getattr(target_out, "can_run_cuda_graph", False)),
             next_draft_input=next_draft_input,
             speculative_num_draft_tokens=cfg.verify_rows,  # accept-rate denominator: tree nodes
             speculative_output_stride=int(result.out_tokens.shape[1]),

@@ -91,12 +91,21 @@ def main() -> int:
             {**cfg.gather_constexprs(), "PRECISE_LOG": True},
             4,
         )
+    # A TP 2 shard's fp32 logits at batch 16 and the largest K (tp_head's shard-local top-K).
+    shard = topk.config(240, 124160, 1023)
     check(
-        topk._rank_kernel,
-        {"cand_ptr": p64, "ncand_ptr": pi32, "lse_ptr": pf, "lp_ptr": pf, "ids_ptr": p64},
-        {"BI": 64, "BJ": 128},
-        4,
+        topk._chunk_kernel,
+        {"x_ptr": pf, "scratch_ptr": p64, "count_ptr": pi32, "bound_ptr": p64, "max_ptr": pf, "sum_ptr": pf},
+        shard.chunk_constexprs(),
+        shard.warps,
     )
+    for raw in (False, True):  # log-probs (the tree's top-K) and logits (a shard's top-K)
+        check(
+            topk._rank_kernel,
+            {"cand_ptr": p64, "ncand_ptr": pi32, "lse_ptr": pf, "lp_ptr": pf, "ids_ptr": p64},
+            {"BI": 64, "BJ": 128, "RAW": raw},
+            4,
+        )
     wtypes = {
         n: p64
         for n in (

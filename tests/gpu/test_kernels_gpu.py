@@ -239,6 +239,48 @@ def test_cuda_graph_replay_with_new_logits(monkeypatch):
         assert_same(static_out, want, "graph")
 
 
+def test_sharded_head_is_the_single_rank_tree_without_sync_and_in_a_graph():
+    """TP 2's drafter head on one GPU (the all-gather stands in as a concatenation): shard top-K in
+    the kernel, the merge in torch; no host sync, captured in a CUDA graph and replayed with new
+    logits; the tree = the single-rank kernel tree over the full vocabulary."""
+    from ddtree_runtime.tp_head import VocabShard, merge, pack, shard_topk
+
+    vocab, budget, batch, horizon = 248320, 64, 4, 15
+    gen = torch.Generator(device=DEV).manual_seed(7)
+    logits = torch.empty((batch * horizon, vocab), device=DEV)
+    half = vocab // 2
+    shards = [VocabShard(0, half, vocab), VocabShard(half, vocab - half, vocab)]
+
+    def sharded():
+        bufs = [pack(*shard_topk(logits[:, s.start : s.start + s.num], s, budget)) for s in shards]
+        return merge(torch.cat(bufs), 2, budget).reshape(batch, horizon)
+
+    logits.copy_(torch.randn(logits.shape, device=DEV, generator=gen) * 3)
+    sharded()  # compile outside the checks
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sharded()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        sharded()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_top = sharded()
+    for _ in range(2):
+        logits.copy_(torch.randn(logits.shape, device=DEV, generator=gen) * 3)
+        logits[:horizon, half - 40 : half + 40] = 20.0  # 80 tied leaders > K, across the shard cut
+        graph.replay()
+        torch.cuda.synchronize()
+        want = kernels.build_tree(logits.view(batch, horizon, vocab), budget)
+        assert torch.equal(static_top.ids, tree.topk_log_probs(logits.view(batch, horizon, vocab), budget)[1])
+        assert_same(kernels.build_tree_from_topk(static_top, budget), want, "graph")
+
+
 @pytest.mark.parametrize("rows", [1, 15, 480])
 @pytest.mark.parametrize("k", [16, 64, 256, 1024])
 @pytest.mark.parametrize("variant", ["planned", "tight_buffer", "many_chunks"])

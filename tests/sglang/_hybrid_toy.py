@@ -77,6 +77,8 @@ def make_backends(pool):
     from sglang.srt.layers.attention.linear.utils import LinearAttnKernelBackend
 
     triton = LinearAttnKernelBackend.TRITON
+    from ddtree_runtime.sglang_plugin.graph_sites import linear_backend_tree_hook
+
     linear = object.__new__(GDNAttnBackend)
     linear.__dict__.update(
         device="cpu", pad_slot_id=-1, topk=1, is_draft_worker=False, req_to_token_pool=pool,
@@ -86,6 +88,7 @@ def make_backends(pool):
         kernel_dispatcher=GDNKernelDispatcher(triton, triton, triton),
         verify_intermediate_state_indices=torch.arange(pool.size + 1, dtype=torch.int32),
     )
+    linear_backend_tree_hook(None, linear)  # what the plugin's hook does after SGLang's __init__
     full = SimpleNamespace(init_forward_metadata=lambda fb: None)
     hybrid = object.__new__(HybridLinearAttnBackend)
     hybrid.__dict__.update(
@@ -209,8 +212,8 @@ class VerifyForwardBatch(SimpleNamespace):
 
 class HybridToyModels(ToyModels):
     """``tree_round.RoundModels`` for the hybrid toy: the verify's GDN layer runs through SGLang's
-    backend with the plugin's tree input and tree-branch switch (``hybrid.DDTreeVerifyInput``,
-    ``hybrid.tree_verify_branch``), exactly as ``sglang_round.SGLangRoundModels.target_verify``
+    backend in tree mode (``graph_sites.linear_backend_tree_hook``) with the plugin's tree input
+    (``hybrid.DDTreeVerifyInput``), exactly as ``sglang_round.SGLangRoundModels.target_verify``
     hands them to the model runner."""
 
     def __init__(self, target: HybridToyTarget, req_to_token, target_kv, draft_kv, *, pool, backend, noise):
@@ -241,7 +244,7 @@ class HybridToyModels(ToyModels):
     def target_verify(self, plan, cache_loc: Tensor, req_pool_indices: Tensor):
         from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-        from ddtree_runtime.sglang_plugin.hybrid import DDTreeVerifyInput, tree_verify_branch
+        from ddtree_runtime.sglang_plugin.hybrid import DDTreeVerifyInput
 
         b, rows = plan.candidates.shape
         verify = DDTreeVerifyInput(
@@ -256,11 +259,10 @@ class HybridToyModels(ToyModels):
         )
         x = self.target._x(plan.draft_token, plan.positions)
         mixed, a, bgate = self.target.gdn.inputs(x)
-        with tree_verify_branch(self.backend):
-            self.backend.init_forward_metadata(fb)
-            out = self.backend.forward(
-                layer=self.target.gdn.layer(), forward_batch=fb, mixed_qkv=mixed, a=a, b=bgate
-            )
+        self.backend.init_forward_metadata(fb)
+        out = self.backend.forward(
+            layer=self.target.gdn.layer(), forward_batch=fb, mixed_qkv=mixed, a=a, b=bgate
+        )
         self.verifies += 1
         y = x + out.reshape(b * rows, HV * VD).to(DTYPE) @ self.target.gdn.w_out
         return self._attend(plan, x, y, cache_loc, req_pool_indices)

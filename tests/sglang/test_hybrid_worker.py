@@ -151,7 +151,7 @@ def test_hybrid_tree_rounds_are_token_identical_to_greedy_and_commit_plain_decod
             accepted.append(n - 1)
         seq_lens = result.new_seq_lens.tolist()
         draft_input = result.next_draft_input
-        assert linear.topk == 1  # the tree branch is switched on for the verify only
+        assert linear.topk == 2  # in tree mode from construction (graph_sites), and it stays so
         for i, (row, p) in enumerate(zip(rows, prompts, strict=True)):
             committed = p + out[i][:-1]  # the new bonus token is not in the state yet
             assert seq_lens[i] == len(committed)

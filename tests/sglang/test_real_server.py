@@ -18,7 +18,6 @@ Each scenario prints one JSON line with its figures (seconds, acceptance).
 from __future__ import annotations
 
 import json
-import math
 import threading
 import time
 from collections import Counter
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from tests._stats import homogeneity_p_value
 from tests.sglang._real_server import RealServer, profile_argv
 from tests.unit._lab import lab_models
 
@@ -163,28 +163,6 @@ def test_live_probe_passes_with_the_handshake(ddtree):
            expected_hidden_width=probe.figures["expected_hidden_width"],
            observed_hidden_width=probe.figures["observed_hidden_width"],
            accept_length=probe.figures["accept_length"])
-
-
-def homogeneity_p_value(a: list[int], b: list[int]) -> float:
-    """Chi-square test that two samples of token ids come from one distribution: tokens seen fewer than
-    10 times in both together are pooled; the p-value by the Wilson-Hilferty approximation."""
-    counts_a, counts_b = Counter(a), Counter(b)
-    kept = [t for t in counts_a | counts_b if counts_a[t] + counts_b[t] >= 10]
-    table = [(counts_a[t], counts_b[t]) for t in kept]
-    table.append((len(a) - sum(x for x, _ in table), len(b) - sum(y for _, y in table)))
-    table = [row for row in table if sum(row) > 0]
-    df = len(table) - 1
-    if df < 1:
-        return 1.0
-    n_a, n_b = len(a), len(b)
-    stat = 0.0
-    for x, y in table:
-        total = x + y
-        for observed, n in ((x, n_a), (y, n_b)):
-            expected = total * n / (n_a + n_b)
-            stat += (observed - expected) ** 2 / expected
-    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
-    return 0.5 * math.erfc(z / math.sqrt(2))
 
 
 def test_sampling_at_t_above_zero_follows_the_plain_servers_distribution(ddtree, plain):

@@ -13,11 +13,16 @@ def test_full_command_line_resolves_with_dflash_defaults_and_ddtree_sizes(sglang
     target, draft = pair
     record, cfg = resolve(
         ddtree_argv(
-            target, draft,
-            "--speculative-ddtree-budget", "24",
-            "--speculative-ddtree-topk-cap", "4",
-            "--mem-fraction-static", "0.8",
-            "--context-length", "4096",
+            target,
+            draft,
+            "--speculative-ddtree-budget",
+            "24",
+            "--speculative-ddtree-topk-cap",
+            "4",
+            "--mem-fraction-static",
+            "0.8",
+            "--context-length",
+            "4096",
             "--enable-metrics",
         )
     )
@@ -139,3 +144,17 @@ def test_chain_configuration_keeps_dflashs_overlap_scheduler(sglang_plugins, pai
     )
     assert cfg.disable_overlap_schedule is False
     assert cfg.speculative_num_draft_tokens == 16 == cfg.speculative_dflash_block_size
+
+
+def test_a_budget_above_the_gpu_validated_one_starts_with_a_warning_naming_the_evidence(
+    sglang_plugins, pair, monkeypatch
+):
+    from ddtree_runtime.sglang_plugin import algorithm
+
+    warnings: list[str] = []
+    monkeypatch.setattr(algorithm.logger, "warning", lambda msg, *args: warnings.append(msg % args))
+    resolve(ddtree_argv(*pair, "--speculative-ddtree-budget", "64"))
+    assert any("above 32" in w and "gpu-lab-server.md" in w for w in warnings), warnings
+    warnings.clear()
+    resolve(ddtree_argv(*pair, "--speculative-ddtree-budget", "32"))
+    assert not any("above 32" in w for w in warnings), warnings

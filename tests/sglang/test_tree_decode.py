@@ -389,3 +389,35 @@ def test_sampled_walk_emits_the_targets_own_distribution():
     took = walk.accepted[:, 1] == child
     assert int(took.sum()) > 300
     assert chi2(walk.emitted[took, 1], law[child]) < 20.5
+
+
+def _truncate_reference(emitted: list[int], num: int, stops: frozenset[int]) -> int:
+    for k, tok in enumerate(emitted[:num]):
+        if tok in stops:
+            return k + 1
+    return num
+
+
+def test_truncate_at_stop_cuts_at_the_first_stop_of_each_request_like_reading_its_tokens():
+    """The on-device cut against the plain per-request scan, on random walks and stop sets (stops
+    anywhere, several per request, none, in the padding, repeated)."""
+    from ddtree_runtime.tree_types import WalkResult
+
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(40):
+        b, width = 5, 7
+        num = torch.randint(1, width + 1, (b,), generator=gen)
+        emitted = torch.randint(0, 12, (b, width), generator=gen)
+        emitted = torch.where(torch.arange(width) < num.unsqueeze(1), emitted, -1)
+        accepted = torch.where(emitted >= 0, torch.arange(width).expand(b, -1), -1)
+        walk = WalkResult(accepted=accepted, num_accepted=num.clone(), bonus=emitted[:, 0], emitted=emitted,
+                          num_emitted=num.clone(), tree_rows=accepted)  # fmt: skip
+        stops = tuple(frozenset(torch.randint(0, 14, (int(k),), generator=gen).tolist())
+                      for k in torch.randint(0, 4, (b,), generator=gen))  # fmt: skip
+        cut, finished = truncate_at_stop(walk, stops)
+        for r in range(b):
+            want = _truncate_reference(emitted[r].tolist(), int(num[r]), stops[r])
+            stopped = any(tok in stops[r] for tok in emitted[r, : int(num[r])].tolist())
+            assert int(cut.num_emitted[r]) == want and bool(finished[r]) == stopped, (r, stops[r], emitted[r])
+            assert cut.emitted[r, :want].tolist() == emitted[r, :want].tolist()
+            assert (cut.emitted[r, want:] == -1).all() and int(cut.bonus[r]) == int(emitted[r, want - 1])

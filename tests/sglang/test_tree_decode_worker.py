@@ -186,47 +186,6 @@ def test_grammar_requests_fail_with_the_reason():
         worker.forward_batch_generation(batch)
 
 
-def _shard_worker(rank: int, world: int, init_file: str, hidden, weight, out) -> None:
-    import torch.distributed as dist
-
-    from tests.sglang._cpu_env import define_torchvision_op_schemas
-
-    define_torchvision_op_schemas()  # a fresh process imports SGLang (see _cpu_env)
-    from ddtree_runtime.sglang_plugin.sglang_round import full_vocab_logits
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    vocab, padded = weight.shape[0], 8  # 11 ids over 2 shards of 8 rows: 6 + 5 real, the rest padding
-    start = rank * 6
-    num = min(6, vocab - start)
-    local = torch.full((padded, weight.shape[1]), 100.0)  # padding rows would win every argmax
-    local[:num] = weight[start : start + num]
-    head = SimpleNamespace(
-        weight=local, shard_indices=SimpleNamespace(org_vocab_start_index=start, num_org_elements=num)
-    )
-    group = SimpleNamespace(world_size=world, device_group=dist.group.WORLD)
-    out[rank] = full_vocab_logits(hidden, head, vocab, group)
-    dist.destroy_process_group()
-
-
-def test_draft_logits_over_a_vocab_parallel_head_are_the_full_vocabulary(tmp_path):
-    import os
-
-    import torch.multiprocessing as mp
-
-    from ddtree_runtime.sglang_plugin.sglang_round import full_vocab_logits
-
-    g = torch.Generator().manual_seed(4)
-    hidden, weight = torch.randn(5, 3, generator=g), torch.randn(11, 3, generator=g)
-    want = hidden @ weight.T
-    single = full_vocab_logits(hidden, SimpleNamespace(weight=weight), 11)
-    assert torch.allclose(single, want)
-    out = mp.Manager().dict()
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    mp.spawn(_shard_worker, args=(2, str(tmp_path / "pg"), hidden, weight, out), nprocs=2, join=True)
-    for rank in range(2):
-        assert torch.allclose(out[rank], want), rank  # global ids, no padding column
-
-
 def test_the_gpu_adapter_speaks_the_pinned_releases_api():
     """What cannot run here (no CUDA SGLang) is at least checked against the installed 0.5.23: the
     adapter imports, and every keyword it passes exists in the callee's signature."""

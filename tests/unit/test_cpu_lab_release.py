@@ -17,7 +17,9 @@ from tests.unit._ansible import BIN, PLAYBOOKS, REPO, playbook, tool_env
 
 BUILD = REPO / "roles/ddtree_runtime/files/build_release.py"
 LAYER = REPO / "scripts/lab/sglang-cpu-lab"
-MARKERS = ("ddtree_sglang_cpu_lab", "sgl_kernel", ".pth")
+# The GPU lab's layer (scripts/lab/sglang-gpu-lab/) is lab-only too: only scripts/lab/gpu/device.sh
+# installs it.
+MARKERS = ("ddtree_sglang_cpu_lab", "ddtree_sglang_gpu_lab", "sgl_kernel", ".pth")
 
 
 def build(out: Path, *extra: str) -> dict:
@@ -47,10 +49,14 @@ def test_a_production_release_holds_none_of_the_layer_and_a_lab_one_is_another_r
     assert lab["release_id"] != production["release_id"]  # ... in a release named apart
 
 
-def test_ddtree_runtime_never_refers_to_the_layer():
+def test_ddtree_runtime_and_the_roles_never_refer_to_the_lab_layers():
+    layers = ("ddtree_sglang_cpu_lab", "ddtree_sglang_gpu_lab")
     hits = [str(p.relative_to(REPO)) for p in (REPO / "ddtree_runtime").rglob("*.py")
-            if "ddtree_sglang_cpu_lab" in p.read_text()]  # fmt: skip
+            if any(layer in p.read_text() for layer in layers)]  # fmt: skip
     assert hits == []
+    roles = [str(p.relative_to(REPO)) for p in (REPO / "roles").rglob("*") if p.is_file()
+             and "sglang-gpu-lab" in p.read_text(errors="replace")]  # fmt: skip
+    assert roles == []  # no role builds or installs the GPU lab's layer
 
 
 def test_no_production_host_turns_the_layer_on():

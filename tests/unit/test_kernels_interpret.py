@@ -138,6 +138,60 @@ def test_topk_rejects_k_out_of_range():
         topk_log_probs(torch.randn(1, 1, 10), 11)
 
 
+@pytest.mark.parametrize(("kind", "k"), [("ties", 16), ("masked", 100), ("randn", 300)])
+def test_shard_topk_ranks_the_logits_themselves(kind, k):
+    """RAW mode (a vocabulary shard under TP): the top-k LOGITS by (logit descending, id
+    ascending), the row max and sum of exp(x - max), as the plain path computes them."""
+    gen = torch.Generator().manual_seed(k)
+    x = (torch.randn((2, 3000), generator=gen) * 2).float()
+    if kind == "ties":
+        x = torch.randint(0, 30, (2, 3000), generator=gen).float()
+    elif kind == "masked":
+        x[:, ::3] = float("-inf")
+    values, ids, top, total = kernels.shard_topk(x, k)
+    order = torch.sort(x, dim=-1, descending=True, stable=True)
+    assert torch.equal(ids, order.indices[:, :k]) and torch.equal(values, order.values[:, :k])
+    assert torch.equal(top, x.max(-1).values)
+    torch.testing.assert_close(total, torch.exp(x - top[:, None]).sum(-1), rtol=1e-6, atol=0)
+
+
+def test_sharded_head_with_the_kernel_builds_the_single_rank_tree():
+    from ddtree_runtime.tp_head import VocabShard, merge, pack, shard_topk
+
+    gen = torch.Generator().manual_seed(5)
+    v, budget = 2501, 24
+    logits = torch.randint(0, 6, (1, 3, v), generator=gen).float()  # ties across the shard cut
+    logits[..., 2490:] += 3.0  # the last shard's 11 ids lead every row
+    flat = logits.reshape(-1, v)
+    shards = [VocabShard(0, 1280, v), VocabShard(1280, v - 1280, v)]  # real rows, padding after
+    bufs = [pack(*shard_topk(flat[:, s.start : s.start + s.num], s, budget, kernel=True)) for s in shards]
+    top = merge(torch.cat(bufs), 2, budget).reshape(1, 3)
+    assert torch.equal(top.ids, tree.topk_log_probs(logits, budget)[1])
+    assert_same(tree.build_tree_from_topk(top, budget), tree.build_tree(logits, budget), "tree")
+    assert_same(kernels.build_tree_from_topk(top, budget), tree.build_tree(logits, budget), "kernel tree")
+
+
+def test_tp_head_bench_runs_its_checks_on_the_cpu(capsys):
+    """scripts/kernels/tp_head_bench.py (run on the H200 as is) at its tiny CPU size: its checks
+    pass and it prints the bytes per round at batch 1, 8 and 16 for TP 2."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "kernels" / "tp_head_bench.py"
+    spec = importlib.util.spec_from_file_location("tp_head_bench", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--tiny", "--batch", "1", "--k", "8", "--iters", "1"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    sizes = {(r["batch"], r["K"]): r for r in lines if r["bench"] == "tp_head_bytes"}
+    assert sizes[(16, 8)]["before_allreduce_bytes"] == 240 * 248320 * 4  # [N, V] fp32, TP 2
+    assert sizes[(16, 8)]["after_allgather_bytes"] == 240 * 17 * 4  # [N, 2K + 1] fp32
+    case = next(r for r in lines if r["bench"] == "tp_head")
+    assert case["trees_equal"] and case["topk_ids_equal"]
+    assert lines[-1]["all_checks_pass"] is True
+
+
 # ---------------------------------------------------------------------------------------------
 # tree build
 

@@ -187,6 +187,27 @@ def test_the_fix_for_balanced_on_a6000s_is_tensor_parallel_and_it_fits(pair):
     assert refit.verdict.fits and refit.token_capacity == first.plan.token_capacity
 
 
+def test_the_plan_says_what_tp2_costs_and_saves(pair):
+    """balanced-tp2 on ct129's two A6000s: half the weights and KV per GPU; the drafter head's
+    per-round exchange is the top-K all-gather (issue 25), not the [rows, V] all-reduce."""
+    plan = _where_meant(pair, "balanced-tp2")
+    tp = plan_to_dict(plan)["tensor_parallel"]
+    rows = 8 * 15  # 8 running requests x (block 16 - 1) depth rows
+    assert tp["head_rows"] == rows and tp["topk"] == 16
+    assert tp["exchange_bytes"] == rows * (2 * 16 + 1) * 4  # [rows, 2K + 1] fp32, to the one other rank
+    assert tp["full_vocab_allreduce_bytes"] == rows * 248320 * 4  # ring all-reduce at TP 2: the tensor
+    assert tp["weights_gib"] == pytest.approx(tp["weights_gib_tp1"] / 2, rel=0.01)
+    assert tp["kv_kib_per_token"] * 2 == tp["kv_kib_per_token_tp1"]
+    text = format_plan(plan)
+    assert "15.8 KB per decode round" in text and "119.2 MB" in text and "NCCL +0.5 GiB" in text
+    one = _plan(pair, "1xH200", PROFILES["balanced"]["flags"])
+    assert plan_to_dict(one)["tensor_parallel"] is None and "tensor parallel" not in format_plan(one)
+    chain = _plan(pair, "2xA6000", {**PROFILES["balanced-tp2"]["flags"], "speculative-ddtree-topk-cap": 1,
+                                    "speculative-ddtree-budget": 15})
+    assert plan_to_dict(chain)["tensor_parallel"]["topk"] == 0
+    assert "DFLASH's own greedy head" in format_plan(chain)
+
+
 def test_unknown_flags_are_listed_and_bad_values_refused():
     s = from_flags({"enable-metrics": True, "--tp-size": "2", "mem_fraction_static": "0.8"})
     assert s.tp_size == 2 and s.mem_fraction_static == 0.8 and s.ignored == ("enable-metrics",)

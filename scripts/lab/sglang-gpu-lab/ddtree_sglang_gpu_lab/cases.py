@@ -1,0 +1,270 @@
+"""Named cases against the real SGLang 0.5.23 server on the device H200, printing JSON lines.
+
+``python -m ddtree_sglang_gpu_lab.cases CASE [CASE ...]`` (scripts/lab/gpu/device.sh runs it there):
+
+* ``evidence``: for the dense and the hybrid lab pair, greedy DDTREE (this checkout's plugin, and the
+  baseline plugin when ``DDTREE_GPU_LAB_BASELINE`` names one) and DFLASH against the same server
+  without speculation, CUDA graphs on: per prompt at batch 1 and all prompts in one batch, whether
+  the tokens are identical (else the first difference), and how many target verifies SGLang replayed
+  from a graph (``SGLANG_LOG_DECODE_GRAPH_KEY=1``) against how many ran.
+* ``probe``: ``ddtree probe live`` against each DDTREE server of the run.
+* ``bench``: ``ddtree_runtime.server_bench`` at concurrency 1, 4 and 16 on plain decoding, DFLASH and
+  DDTREE (budgets 16, 32, 64) for both pairs, one server measured at a time (the others idle with
+  ``--sleep-on-idle``), the output ids checked against the plain server's at every level, tokens/s
+  ratios against DFLASH from the same run.
+
+Servers start in two waves: the two plain servers first (they compile SGLang's run-time kernels into
+the shared cache), then every other server at once; every server is stopped by PID at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ddtree_sglang_gpu_lab.server import GpuServer
+
+PROMPTS = (
+    "the cat sees a",
+    "under the old tree",
+    "morning rain and",
+    "the fox carries a small stone",
+    "quiet evening",
+    "a bird sings while the river",
+    "The capital of France is",
+    "<|im_start|>user\nthe old fox watches<|im_end|>\n<|im_start|>assistant\n",
+)
+NEW_TOKENS = 64
+
+
+def emit(record: dict[str, Any]) -> None:
+    print(json.dumps(record), flush=True)
+
+
+@dataclass
+class Spec:
+    name: str
+    pair: str
+    algorithm: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    overrides: dict[str, Any] = field(default_factory=dict)
+    extra: list[str] = field(default_factory=list)
+
+
+def _server(spec: Spec, models: Path, log_dir: Path) -> GpuServer:
+    pair = models / spec.pair
+    return GpuServer(
+        spec.name, pair / "target", log_dir=log_dir, algorithm=spec.algorithm, draft=pair / "draft",
+        hybrid=spec.pair == "hybrid", overrides=spec.overrides, extra=spec.extra,
+        env={"SGLANG_LOG_DECODE_GRAPH_KEY": "1", **spec.env},
+    )  # fmt: skip
+
+
+def start_all(specs: list[Spec], models: Path, log_dir: Path) -> dict[str, GpuServer | Exception]:
+    """Start ``specs`` at once; a server that fails to start is reported and left out."""
+    servers: dict[str, GpuServer | Exception] = {}
+
+    def one(spec: Spec) -> tuple[str, GpuServer | Exception]:
+        t0 = time.monotonic()
+        server = _server(spec, models, log_dir)
+        try:
+            server.wait_ready()
+        except RuntimeError as exc:
+            emit({"case": "start", "server": spec.name, "ok": False, "error": str(exc)[-1500:]})
+            server.stop()
+            return spec.name, exc
+        emit({"case": "start", "server": spec.name, "ok": True, "seconds": round(time.monotonic() - t0, 1)})
+        return spec.name, server
+
+    with ThreadPoolExecutor(max_workers=max(1, len(specs))) as pool:
+        for name, result in pool.map(one, specs):
+            servers[name] = result
+    return servers
+
+
+def first_difference(expected: list[int], got: list[int]) -> dict[str, Any] | None:
+    for i, (a, b) in enumerate(zip(expected, got, strict=False)):
+        if a != b:
+            return {"position": i, "expected": a, "got": b}
+    if len(expected) != len(got):
+        return {"position": min(len(expected), len(got)), "expected_len": len(expected), "got_len": len(got)}
+    return None
+
+
+def _answers(server: GpuServer, batch: int) -> tuple[list[dict[str, Any]], float]:
+    t0 = time.monotonic()
+    if batch == 1:
+        docs = [server.generate(p, NEW_TOKENS) for p in PROMPTS]
+    else:
+        docs = server.generate(list(PROMPTS), NEW_TOKENS)
+    return docs, time.monotonic() - t0
+
+
+def compare(
+    name: str, pair: str, server: GpuServer, reference: dict[int, list[list[int]]]
+) -> list[dict[str, Any]]:
+    records = []
+    for batch in (1, len(PROMPTS)):
+        before = server.graph_replays()
+        docs, seconds = _answers(server, batch)
+        replays = server.graph_replays() - before
+        verify = sum(int(d["meta_info"].get("spec_verify_ct", 0) or 0) for d in docs)
+        tokens = sum(int(d["meta_info"]["completion_tokens"]) for d in docs)
+        diffs = [
+            first_difference(ref, d["output_ids"]) for ref, d in zip(reference[batch], docs, strict=True)
+        ]
+        records.append({
+            "case": "evidence", "pair": pair, "server": name, "batch": batch,
+            "identical": sum(d is None for d in diffs), "prompts": len(PROMPTS),
+            "first_difference": next(({"prompt": i, **d} for i, d in enumerate(diffs) if d), None),
+            "verify_steps": verify, "target_verify_graph_replays": replays,
+            "accept_length": round(tokens / verify, 3) if verify else None,
+            "tokens": tokens, "seconds": round(seconds, 3),
+        })  # fmt: skip
+    return records
+
+
+def evidence_specs() -> list[Spec]:
+    specs = []
+    baseline = os.environ.get("DDTREE_GPU_LAB_BASELINE")
+    for pair in ("dense", "hybrid"):
+        specs.append(Spec(f"{pair}-ddtree", pair, "DDTREE"))
+        specs.append(Spec(f"{pair}-dflash", pair, "DFLASH"))
+        if baseline:
+            path = os.pathsep.join(p for p in (baseline, os.environ.get("PYTHONPATH")) if p)
+            specs.append(Spec(f"{pair}-ddtree-baseline", pair, "DDTREE", env={"PYTHONPATH": path}))
+    return specs
+
+
+def run_evidence(models: Path, log_dir: Path, probe: bool) -> None:
+    plain = start_all([Spec("dense-plain", "dense"), Spec("hybrid-plain", "hybrid")], models, log_dir)
+    others = start_all(evidence_specs(), models, log_dir)
+    servers = {**plain, **others}
+    try:
+        for pair in ("dense", "hybrid"):
+            ref_server = servers.get(f"{pair}-plain")
+            if not isinstance(ref_server, GpuServer):
+                emit({"case": "evidence", "pair": pair, "error": "the plain server did not start"})
+                continue
+            reference = {b: [d["output_ids"] for d in _answers(ref_server, b)[0]] for b in (1, len(PROMPTS))}
+            for name, server in servers.items():
+                if name.startswith(f"{pair}-") and name != f"{pair}-plain" and isinstance(server, GpuServer):
+                    try:
+                        for record in compare(name, pair, server, reference):
+                            emit(record)
+                    except RuntimeError as exc:
+                        emit({"case": "evidence", "pair": pair, "server": name, "error": str(exc)[-1500:]})
+        if probe:
+            for name, server in servers.items():
+                if isinstance(server, GpuServer) and name.endswith("-ddtree"):
+                    run_probe(name, server)
+    finally:
+        for server in servers.values():
+            if isinstance(server, GpuServer):
+                server.stop()
+
+
+def run_probe(name: str, server: GpuServer) -> None:
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddtree_runtime", "probe", "live", "--url", server.url, "--json"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    try:
+        report: Any = json.loads(proc.stdout)
+    except ValueError:
+        report = {"stdout": proc.stdout[-1500:], "stderr": proc.stderr[-1500:]}
+    emit({"case": "probe", "server": name, "rc": proc.returncode, "seconds": round(time.monotonic() - t0, 2),
+          "report": report})  # fmt: skip
+
+
+BENCH_LEVELS = (1, 4, 16)
+BENCH_BUDGETS = (16, 32, 64)
+
+
+def _pairs() -> tuple[str, ...]:
+    return tuple(os.environ.get("DDTREE_GPU_LAB_PAIRS", "dense hybrid").split())
+
+
+def bench_specs() -> list[Spec]:
+    idle = ["--sleep-on-idle"]
+    specs = []
+    budgets = tuple(int(b) for b in os.environ.get("DDTREE_GPU_LAB_BUDGETS", "").split()) or BENCH_BUDGETS
+    for pair in _pairs():
+        specs += [Spec(f"{pair}-plain", pair, extra=idle), Spec(f"{pair}-dflash", pair, "DFLASH", extra=idle)]
+        for budget in budgets:
+            over = {"speculative-ddtree-budget": budget}
+            specs.append(Spec(f"{pair}-ddtree-b{budget}", pair, "DDTREE", overrides=over, extra=idle))
+    return specs
+
+
+def run_bench(
+    models: Path, log_dir: Path, repeats: int = int(os.environ.get("DDTREE_GPU_LAB_REPEATS", "3"))
+) -> None:
+    from ddtree_runtime.server_bench import bench_server
+
+    servers = start_all(bench_specs(), models, log_dir)
+    try:
+        for pair in _pairs():
+            results: dict[str, dict[int, dict[str, Any]]] = {}
+            for name, server in servers.items():
+                if not name.startswith(f"{pair}-") or not isinstance(server, GpuServer):
+                    continue
+                try:
+                    results[name] = bench_server(
+                        server.url, PROMPTS, levels=BENCH_LEVELS, repeats=repeats, label=name,
+                        emit=lambda line: print(line, flush=True),
+                    )  # fmt: skip
+                except RuntimeError as exc:
+                    emit({"case": "bench", "server": name, "error": str(exc)[-1500:]})
+            ids = {
+                name: {lvl: row.pop("ids") for lvl, row in levels.items()} for name, levels in results.items()
+            }
+            plain, dflash = ids.get(f"{pair}-plain"), results.get(f"{pair}-dflash")
+            for name, levels in results.items():
+                for level, row in levels.items():
+                    same = None
+                    if plain is not None and name != f"{pair}-plain":
+                        same = sum(a == b for a, b in zip(plain[level], ids[name][level], strict=False))
+                    ratio = None
+                    if dflash is not None and dflash[level]["output_tokens_per_s"]:
+                        ratio = round(row["output_tokens_per_s"] / dflash[level]["output_tokens_per_s"], 3)
+                    emit({"case": "bench_summary", "pair": pair, "server": name, "concurrency": level,
+                          "identical_to_plain": same, "vs_dflash": ratio, **row})  # fmt: skip
+    finally:
+        for server in servers.values():
+            if isinstance(server, GpuServer):
+                server.stop()
+
+
+CASES: dict[str, Callable[[argparse.Namespace], None]] = {
+    "evidence": lambda a: run_evidence(a.models, a.logs, probe=False),
+    "evidence+probe": lambda a: run_evidence(a.models, a.logs, probe=True),
+    "bench": lambda a: run_bench(a.models, a.logs),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ddtree_sglang_gpu_lab.cases")
+    parser.add_argument("cases", nargs="+", choices=sorted(CASES))
+    parser.add_argument("--models", type=Path, required=True, help="folder with dense/ and hybrid/ lab pairs")
+    parser.add_argument("--logs", type=Path, required=True, help="where each server's log goes")
+    args = parser.parse_args(argv)
+    for case in args.cases:
+        t0 = time.monotonic()
+        CASES[case](args)
+        emit({"case": case, "done": True, "seconds": round(time.monotonic() - t0, 1)})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

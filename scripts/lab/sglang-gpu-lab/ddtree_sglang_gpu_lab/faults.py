@@ -1,0 +1,43 @@
+"""Test-only fault switches for the GPU lab (``DDTREE_LAB_FAULT``): not work-arounds. Each
+reproduces a known-bad build inside the real server, so the device suite can show it fails on it.
+
+* ``chain_verify_graph``: the plugin before ``graph_sites``: the target-verify graphs are captured
+  as DFLASH captures them (no tree mask on Triton, the GDN layers' chain kernels), so every tree
+  verify replays a chain's graph. The worker's start check is disarmed with it.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+ENV = "DDTREE_LAB_FAULT"
+FAULTS = ("chain_verify_graph",)
+
+
+class UnknownFault(ValueError):
+    pass
+
+
+def selected_fault() -> str | None:
+    name = os.environ.get(ENV) or None
+    if name is not None and name not in FAULTS:
+        raise UnknownFault(f"{ENV}={name!r} is not a GPU-lab fault switch; known: {', '.join(FAULTS)}")
+    return name
+
+
+def _chain_graphs(module: ModuleType) -> None:
+    module.capture_trees = lambda: False
+
+
+def _no_start_check(module: ModuleType) -> None:
+    module.check_tree_graphs = lambda runner: None
+
+
+def install() -> None:
+    if selected_fault() != "chain_verify_graph":
+        return
+    from ddtree_sglang_cpu_lab.hooks import after_import
+
+    after_import("ddtree_runtime.sglang_plugin.graph_sites", _chain_graphs)
+    after_import("ddtree_runtime.sglang_plugin.worker", _no_start_check)

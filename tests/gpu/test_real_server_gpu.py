@@ -1,0 +1,186 @@
+"""The real SGLang 0.5.23 server on the H200 with CUDA graphs on: DDTREE's tree verify is lossless.
+
+Runs only inside the GPU lab (``bash scripts/lab/gpu/device.sh pytest tests/gpu``: CUDA, SGLang's
+files, the lab pairs in ``DDTREE_GPU_LAB_MODELS``); it skips anywhere else. Every server starts once,
+all at once (``ddtree_sglang_gpu_lab.cases.start_all``), the balanced profile's flags with the GPU
+lab's (Triton attention, CUDA graphs on, docs/sglang-gpu-lab.md), and is stopped by PID.
+
+What must hold, against the same server without speculation, on the dense and the hybrid lab pair:
+greedy output token-identical at batch 1, 4 and 16 and for requests joining a running batch, with the
+target verify replayed from graphs; the shipped budget (16) and a larger one (32); page size 1 and 16;
+T > 0 lossless by the chi-square test of the CPU suite; the live probe passes.
+``DDTREE_GPU_SUITE_FAULT=chain_verify_graph`` starts the DDTREE servers with the pre-fix behaviour
+(graphs captured for a chain): the suite must then fail on the hybrid pair.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+MODELS = os.environ.get("DDTREE_GPU_LAB_MODELS")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU lab on the device H200)"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("ddtree_sglang_gpu_lab") is None or not MODELS,
+        reason="runs in the GPU lab: bash scripts/lab/gpu/device.sh pytest tests/gpu",
+    ),
+]
+
+PROMPTS = [
+    "the cat sees a", "under the old tree", "morning rain and", "the fox carries a small stone",
+    "quiet evening", "a bird sings while the river", "The capital of France is",
+    "<|im_start|>user\nthe old fox watches<|im_end|>\n<|im_start|>assistant\n",
+    "the small bird sings while the wind", "a dog finds the", "the river and the stone", "the old house",
+    "slow light over the garden", "the fox follows a", "green road near the", "evening song of the",
+]  # fmt: skip
+NEW_TOKENS = 64
+CONFIGS = {  # name: (pair, budget, page size)
+    "dense-b16": ("dense", 16, 1), "dense-b16-p16": ("dense", 16, 16), "dense-b32": ("dense", 32, 1),
+    "hybrid-b16": ("hybrid", 16, 1), "hybrid-b16-p16": ("hybrid", 16, 16), "hybrid-b32": ("hybrid", 32, 1),
+}  # fmt: skip
+SAMPLE_PROMPT, SAMPLES, SAMPLE_TOKENS, P_FLOOR = "the cat sees", 600, 4, 1e-4
+
+
+def report(scenario: str, **figures: object) -> None:
+    print(json.dumps({"suite": "gpu_real_server", "scenario": scenario, **figures}), flush=True)
+
+
+@pytest.fixture(scope="session")
+def servers():
+    from ddtree_sglang_gpu_lab.cases import Spec, start_all
+
+    fault = os.environ.get("DDTREE_GPU_SUITE_FAULT")
+    env = {"DDTREE_LAB_FAULT": fault} if fault else {}
+    specs = [Spec(f"{pair}-plain", pair) for pair in ("dense", "hybrid")]
+    for name, (pair, budget, page) in CONFIGS.items():
+        over = {"speculative-ddtree-budget": budget}
+        extra = ["--page-size", str(page)] if page > 1 else []
+        specs.append(Spec(name, pair, "DDTREE", env=env, overrides=over, extra=extra))
+    logs = Path(os.environ.get("DDTREE_GPU_LAB_LOGS", "/tmp/gpulab/logs")) / "suite"
+    started = start_all(specs, Path(MODELS), logs)
+    yield started
+    for server in started.values():
+        if not isinstance(server, Exception):
+            server.stop()
+
+
+def _server(servers, name):
+    server = servers[name]
+    if isinstance(server, Exception):
+        pytest.fail(f"{name} did not start: {server}")
+    return server
+
+
+def _ids(docs) -> list[list[int]]:
+    return [d["output_ids"] for d in (docs if isinstance(docs, list) else [docs])]
+
+
+def _answer(server, batch: int) -> list[list[int]]:
+    """All 16 prompts, ``batch`` at a time in one request (batch 1: one request per prompt)."""
+    out: list[list[int]] = []
+    for i in range(0, len(PROMPTS), batch):
+        chunk = PROMPTS[i : i + batch]
+        out += _ids(server.generate(chunk if batch > 1 else chunk[0], NEW_TOKENS))
+    return out
+
+
+@pytest.fixture(scope="session")
+def plain_answers(servers):
+    return {
+        pair: {b: _answer(_server(servers, f"{pair}-plain"), b) for b in (1, 4, 16)}
+        for pair in ("dense", "hybrid")
+    }
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_greedy_tree_decode_is_token_identical_with_graphs_replayed(servers, plain_answers, config, batch):
+    pair = CONFIGS[config][0]
+    server = _server(servers, config)
+    before = server.graph_replays()
+    got = _answer(server, batch)
+    replays = server.graph_replays() - before
+    expected = plain_answers[pair][batch]
+    same = [a == b for a, b in zip(expected, got, strict=True)]
+    report(
+        "greedy", config=config, batch=batch, identical=sum(same), prompts=len(same), verify_replays=replays
+    )
+    assert all(same), [(PROMPTS[i], expected[i][:12], got[i][:12]) for i, ok in enumerate(same) if not ok][:3]
+    assert replays > 0, "no target verify was replayed from a CUDA graph"
+
+
+@pytest.mark.parametrize("config", ["dense-b16", "hybrid-b16"])
+def test_requests_joining_a_running_batch_are_token_identical(servers, plain_answers, config):
+    pair = CONFIGS[config][0]
+    server = _server(servers, config)
+    results: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int, tokens: int) -> None:
+        try:
+            results[i] = server.generate(PROMPTS[i], tokens)["output_ids"]
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(0, 4 * NEW_TOKENS))]
+    threads[0].start()
+    for i in range(1, 8):
+        time.sleep(0.05)
+        threads.append(threading.Thread(target=run, args=(i, NEW_TOKENS)))
+        threads[-1].start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    long_plain = _ids(_server(servers, f"{pair}-plain").generate(PROMPTS[0], 4 * NEW_TOKENS))[0]
+    assert results[0] == long_plain
+    for i in range(1, 8):
+        assert results[i] == plain_answers[pair][1][i], PROMPTS[i]
+
+
+def _samples(server, temperature: float) -> list[list[int]]:
+    docs = server.generate([SAMPLE_PROMPT] * SAMPLES, SAMPLE_TOKENS, temperature=temperature, ignore_eos=True)
+    return _ids(docs)
+
+
+@pytest.mark.parametrize("config", ["dense-b16", "hybrid-b16"])
+def test_sampling_at_t_above_zero_follows_the_plain_servers_distribution(servers, config):
+    from tests._stats import homogeneity_p_value
+
+    pair = CONFIGS[config][0]
+    plain = _server(servers, f"{pair}-plain")
+    tree, at_1, at_half = _samples(_server(servers, config), 1.0), _samples(plain, 1.0), _samples(plain, 0.5)
+    figures = {}
+    for pos in range(1, SAMPLE_TOKENS):
+        p = homogeneity_p_value([s[pos] for s in tree], [s[pos] for s in at_1])
+        figures[f"p_token_{pos}"] = round(p, 5)
+        assert p > P_FLOOR, (
+            pos,
+            Counter(s[pos] for s in tree).most_common(6),
+            Counter(s[pos] for s in at_1).most_common(6),
+        )
+    shifted = homogeneity_p_value([s[1] for s in at_half], [s[1] for s in at_1])
+    report("sampling_t1", config=config, samples=SAMPLES, p_plain_t05_vs_t1=shifted, **figures)
+    assert shifted < P_FLOOR, f"the test cannot tell T = 0.5 from T = 1 (p = {shifted})"
+
+
+@pytest.mark.parametrize("config", ["dense-b16", "hybrid-b16"])
+def test_live_probe_passes(servers, config):
+    server = _server(servers, config)
+    argv = [sys.executable, "-m", "ddtree_runtime", "probe", "live", "--url", server.url, "--json"]
+    proc = subprocess.run(argv,
+                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    doc = json.loads(proc.stdout)
+    report("live_probe", config=config, ok=doc["ok"], message=doc.get("message"))
+    assert proc.returncode == 0 and doc["ok"], doc

@@ -1,0 +1,96 @@
+"""The server benchmark's client against a loopback server that streams /generate as SGLang does
+(``data: {...}`` chunks, cumulative ``output_ids`` and ``meta_info``, then ``data: [DONE]``)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from ddtree_runtime.server_bench import bench_server, run_level, summarize
+
+TOKENS, STEPS, FIRST_CHUNK_DELAY = 12, 4, 0.05
+
+
+class Streamer(BaseHTTPRequestHandler):
+    in_flight = 0
+    peak = 0
+    lock = threading.Lock()
+    fail = False
+
+    def log_message(self, *args):  # quiet
+        pass
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if Streamer.fail:
+            self.send_response(500)
+            self.end_headers()
+            return
+        with Streamer.lock:
+            Streamer.in_flight += 1
+            Streamer.peak = max(Streamer.peak, Streamer.in_flight)
+        try:
+            n = body["sampling_params"]["max_new_tokens"]
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            time.sleep(FIRST_CHUNK_DELAY)
+            seed = len(body["text"])
+            for i in range(1, n + 1):
+                chunk = {
+                    "text": "x" * i,
+                    "output_ids": [seed + j for j in range(i)],
+                    "meta_info": {"completion_tokens": i, "spec_verify_ct": -(-i * STEPS // n)},
+                }
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+        finally:
+            with Streamer.lock:
+                Streamer.in_flight -= 1
+
+
+@pytest.fixture
+def server():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Streamer)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    Streamer.peak, Streamer.fail = 0, False
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+
+
+def test_a_level_keeps_its_concurrency_and_reads_tokens_steps_and_first_chunk_time(server):
+    results, wall = run_level(server, ["ab", "abcd"], concurrency=3, requests=6, max_new_tokens=TOKENS)
+    assert Streamer.peak == 3
+    assert [r.prompt_index for r in results] == [0, 1, 0, 1, 0, 1]
+    assert all(r.completion_tokens == TOKENS and r.verify_steps == STEPS for r in results)
+    assert results[1].output_ids == list(range(4, 4 + TOKENS))  # the last chunk's cumulative ids
+    assert all(FIRST_CHUNK_DELAY <= r.ttft_s <= r.e2e_s for r in results)
+    row = summarize(results, wall)
+    assert row["tokens"] == 6 * TOKENS and row["accept_length"] == TOKENS / STEPS
+    assert row["output_tokens_per_s"] == pytest.approx(6 * TOKENS / wall, rel=0.01)
+
+
+def test_the_summary_takes_medians_over_repeats_and_keeps_the_ids(server):
+    lines = []
+    summary = bench_server(server, ["ab"], levels=[1, 2], repeats=3, max_new_tokens=TOKENS, emit=lines.append)
+    assert len(lines) == 6 and {json.loads(x)["concurrency"] for x in lines} == {1, 2}
+    assert summary[2]["requests"] == 4 and len(summary[2]["ids"]) == 4  # 2 x concurrency, every prompt once
+    assert summary[1]["accept_length"] == TOKENS / STEPS
+
+
+def test_a_failing_server_fails_the_level_with_the_cause(server):
+    Streamer.fail = True
+    with pytest.raises(RuntimeError, match="request\\(s\\) failed at concurrency 2"):
+        run_level(server, ["ab"], concurrency=2, requests=4, max_new_tokens=4)
+
+
+@pytest.mark.parametrize(("concurrency", "requests"), [(0, 4), (300, 4), (2, 0)])
+def test_absurd_levels_are_refused(concurrency, requests):
+    with pytest.raises(ValueError, match="choose"):
+        run_level("http://127.0.0.1:9", ["a"], concurrency=concurrency, requests=requests, max_new_tokens=4)
