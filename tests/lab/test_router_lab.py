@@ -184,6 +184,24 @@ def test_rollback_goes_through_the_router(fleet: Fleet):
     assert fleet.serving() == {fleet.url("ct129"), fleet.url("ct130", 30001)}
 
 
+def test_a_host_that_fails_its_probe_stays_out_while_the_router_serves_from_the_rest(fleet: Fleet):
+    fault = ["-e", json.dumps({"sglang_extra_env": {"DDTREE_LAB_FAULT": "hidden_none"}})]
+    with fleet.watch() as watch, Traffic(fleet.router) as routed:
+        run = _play(fleet.lab, "deploy.yml", "-l", "ct129", *fault)
+    message = " ".join(run.stdout.split())
+    assert run.returncode != 0 and "hidden_states_missing" in message, message[-3000:]
+    assert "It stays out of its routers' rotation (ct131)" in message, message[-3000:]
+    figures = routed.figures()
+    print(json.dumps({"scenario": "failed probe ct129", "through_router": figures,
+                      "out_of_rotation_s": watch.out_of_rotation_s(fleet.lab.addresses["ct129"])}))
+    assert figures["requests"] > 50 and figures["failures"] == 0, figures
+    ct130 = fleet.url("ct130", 30001)
+    assert fleet.serving() == {ct130}  # rolled back and serving, but out until someone puts it back
+    back = _play(fleet.lab, "ansible/rotation.yml", "-l", "ct129", "-e", "rotation=join")
+    assert back.returncode == 0, back.stdout[-4000:]
+    assert fleet.serving() == {fleet.url("ct129"), ct130}
+
+
 def test_fleet_status_shows_each_hosts_rotation(fleet: Fleet):
     from tests.lab.conftest import ddtree
 

@@ -66,3 +66,7 @@ def test_canary_play_is_host_by_host_and_stops_everything_on_a_failure():
     assert all(play["any_errors_fatal"] is True for play in plays)
     block = rollout["tasks"][0]
     assert "block" in block and "rescue" in block
+    # An abort takes the shadow out of the routers before anything else (after noting what failed).
+    first, second = block["rescue"][:2]
+    assert "set_fact" in str(first) and second["block"][0]["ansible.builtin.include_role"] == {
+        "name": "sglang_rotation", "tasks_from": "remove_shadow"}
