@@ -198,7 +198,8 @@ def _rotation_file(fleet: dict) -> set[str]:
 def test_leave_waits_for_the_request_in_flight_never_takes_the_last_worker_and_join_puts_it_back(fleet):
     router, urls, w1 = fleet["router"], fleet["urls"], fleet["servers"]["w1"]
     done: dict = {}
-    body = {"text": "the cat", "sampling_params": {"temperature": 0, "max_new_tokens": 400}}
+    # Long enough to outlast the play's steps before its drain (a few seconds), so the drain has to wait.
+    body = {"text": "the cat", "sampling_params": {"temperature": 0, "max_new_tokens": 2000}}
 
     def long_request() -> None:
         done["status"] = http(w1.url + "/generate", body, timeout=120)[0]
