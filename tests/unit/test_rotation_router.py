@@ -183,7 +183,7 @@ def _step(fleet: dict, target: str, action: str, *extra: str) -> subprocess.Comp
         "-e",
         f"target={target}",
         "-e",
-        f"action={action}",
+        f"rotation_action={action}",
         *extra,
     ]
     return subprocess.run(cmd, cwd=REPO, env=tool_env(), capture_output=True, text=True, timeout=300)
