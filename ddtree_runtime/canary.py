@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -46,11 +47,11 @@ class Thresholds:
         if not 0 < self.min_accept_ratio <= 1.5:
             raise CanaryInputError(f"--min-accept-ratio {self.min_accept_ratio:g}: pass a ratio in (0, 1.5], "
                                    "e.g. 0.8 (shadow accept length >= 0.8 x live)")
-        if self.max_latency_ratio <= 0:
+        if not math.isfinite(self.max_latency_ratio) or self.max_latency_ratio <= 0:
             raise CanaryInputError(f"--max-latency-ratio {self.max_latency_ratio:g}: pass a ratio > 0, "
                                    "e.g. 1.5 (shadow median latency <= 1.5 x live + slack)")
-        if self.latency_slack_s < 0:
-            raise CanaryInputError(f"--latency-slack-s {self.latency_slack_s:g}: pass seconds >= 0")
+        if not math.isfinite(self.latency_slack_s) or not 0 <= self.latency_slack_s <= 3600:
+            raise CanaryInputError(f"--latency-slack-s {self.latency_slack_s:g}: pass seconds in [0, 3600]")
 
 
 class CanaryInputError(ValueError):
@@ -82,6 +83,9 @@ class Side:
     runtime_version: str | None = None
     algorithm: str | None = None
     budget: int | None = None
+    block_size: int | None = None
+    # What the server says about itself (/server_info): which process answers, on which port.
+    identity: dict[str, Any] | None = None
     answers: list[Answer] = field(default_factory=list)  # rounds x prompts, in request order
 
     def first_round(self, n_prompts: int) -> list[Answer]:
@@ -205,16 +209,50 @@ def wait_ready(side: Side, timeout: float, poll_s: float = 1.0) -> None:
 
 
 def read_server_info(side: Side, timeout: float) -> None:
+    """The side's own account of itself; ``side.identity`` stays None when /server_info cannot be read
+    (the comparison then cannot tell live from shadow, and aborts)."""
     try:
         status, body = http_request(f"{side.url}/server_info", timeout=timeout)
-        info = json.loads(body) if status == 200 else {}
-    except (urllib.error.URLError, OSError, ValueError):
-        info = {}
-    hs = info.get("ddtree_handshake") if isinstance(info, dict) else None
-    side.version = info.get("version")
-    side.runtime_version = info.get("ddtree_runtime_version")
-    side.algorithm = str(info.get("speculative_algorithm") or "NONE").upper() if info else None
-    side.budget = hs.get("budget") if isinstance(hs, dict) else info.get("speculative_ddtree_budget")
+        info = json.loads(body) if status == 200 else None
+    except (urllib.error.URLError, OSError, ValueError, RecursionError):
+        info = None
+    if not isinstance(info, dict):
+        return
+    hs = info.get("ddtree_handshake") if isinstance(info.get("ddtree_handshake"), dict) else {}
+    side.version = _text(info.get("version"))
+    side.runtime_version = _text(info.get("ddtree_runtime_version"))
+    side.algorithm = (_text(info.get("speculative_algorithm")) or "NONE").upper()
+    side.budget = _small_int(hs.get("budget", info.get("speculative_ddtree_budget")))
+    side.block_size = _small_int(hs.get("block_size", info.get("speculative_dflash_block_size")))
+    side.identity = {key: info.get(key) for key in IDENTITY_KEYS if isinstance(info.get(key), str | int)
+                     and not isinstance(info.get(key), bool)}
+
+
+# What tells two servers apart, in the order it is trusted: the id each process draws at start (ddtree
+# builds), then the port and SGLang's random seed (drawn at start unless set).
+IDENTITY_KEYS = ("ddtree_instance_id", "port", "random_seed", "host")
+
+
+def same_server(live: Side, shadow: Side) -> str | None:
+    """Why live and shadow are one server, by what each reports about itself; None when distinct."""
+    a, b = live.identity or {}, shadow.identity or {}
+    if a.get("ddtree_instance_id") and b.get("ddtree_instance_id"):
+        if a["ddtree_instance_id"] == b["ddtree_instance_id"]:
+            return f"both report instance {a['ddtree_instance_id']}"
+        return None
+    # SGLang draws random_seed at start unless it is set: one port and one seed is one server.
+    if None not in (a.get("port"), a.get("random_seed")) and (a.get("port"), a.get("random_seed")) == (
+            b.get("port"), b.get("random_seed")):
+        return f"both report port {a['port']} and random seed {a['random_seed']}"
+    return None
+
+
+def _text(value: Any) -> str | None:
+    return value[:200] if isinstance(value, str) else None
+
+
+def _small_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 1 << 20 else None
 
 
 def generate(side: Side, prompt: str, max_new_tokens: int, timeout: float) -> Answer:
@@ -233,15 +271,42 @@ def generate(side: Side, prompt: str, max_new_tokens: int, timeout: float) -> An
     if status != 200 or not isinstance(doc, dict) or not isinstance(doc.get("output_ids"), list):
         text = body.decode(errors="replace")[:500]
         raise RuntimeError(f"{side.name}: POST /generate HTTP {status}: {text}")
-    meta = doc.get("meta_info") or {}
+    meta = {} if doc.get("meta_info") is None else doc["meta_info"]
     try:  # a wrongly typed answer is a failed side, not a traceback
+        if not isinstance(meta, dict):
+            raise ValueError(f"meta_info {str(meta)[:40]!r} is not an object")
         verify = meta.get("spec_verify_ct")
-        return Answer(prompt, [_count(t) for t in doc["output_ids"]], str(doc.get("text", "")),
-                      _count(meta.get("completion_tokens") or len(doc["output_ids"])),
-                      None if verify is None else _count(verify), latency)
+        text = doc.get("text", "")
+        if not isinstance(text, str):
+            raise ValueError(f"text {str(text)[:40]!r} is not a string")
+        answer = Answer(prompt, [_count(t) for t in doc["output_ids"]], text,
+                        _count(meta.get("completion_tokens", len(doc["output_ids"]))),
+                        None if verify is None else _count(verify), latency)
     except (AttributeError, TypeError, ValueError) as exc:
         raise RuntimeError(f"{side.name}: POST /generate answered what SGLang 0.5.23 never answers "
                            f"({exc})") from None
+    bad = _untrustworthy(answer, side.block_size)
+    if bad:
+        raise RuntimeError(f"{side.name}: POST /generate answered evidence the canary cannot trust: {bad}")
+    return answer
+
+
+def _untrustworthy(a: Answer, block_size: int | None) -> str | None:
+    """An answer whose figures contradict each other (a count that does not match the ids, more tokens per
+    verify step than a drafter block holds): it cannot count for a promotion."""
+    if not a.output_ids:
+        return "no output tokens at T=0 with max_new_tokens >= 1"
+    if a.completion_tokens != len(a.output_ids):
+        return f"completion_tokens {a.completion_tokens} but {len(a.output_ids)} output ids"
+    # The prefill emits the first token; every verify step at least one more, at most a drafter block.
+    if a.verify_ct is not None:
+        if a.verify_ct > a.completion_tokens or (a.verify_ct == 0 and a.completion_tokens > 1):
+            return (f"{a.verify_ct} verify steps for {a.completion_tokens} tokens (each step emits at least "
+                    "one)")
+        if block_size and a.completion_tokens > a.verify_ct * block_size + 1:
+            return (f"{a.completion_tokens} tokens from {a.verify_ct} verify steps: more than the drafter "
+                    f"block of {block_size} per step")
+    return None
 
 
 def _count(value: Any) -> int:
@@ -273,14 +338,16 @@ def compare_tokens(live: Side, shadow: Side, n_prompts: int) -> dict[str, Any]:
         # The shadow's rounds first; then live's own later rounds (live must be deterministic too).
         others = [(shadow.name, a) for a in shadow.answers[i::n_prompts]]
         others += [(f"{live.name} (a later round)", a) for a in live.answers[i::n_prompts][1:]]
-        side, diff = next(((n, a) for n, a in others if a.output_ids != ref.output_ids), (None, None))
+        side, diff = next(((n, a) for n, a in others
+                           if a.output_ids != ref.output_ids or a.text != ref.text), (None, None))
         entry: dict[str, Any] = {"prompt": ref.prompt, "equal": diff is None,
                                  "live_tokens": len(ref.output_ids)}
         if diff is not None:
             pos = next((j for j, (x, y) in enumerate(zip(ref.output_ids, diff.output_ids, strict=False))
                         if x != y), min(len(ref.output_ids), len(diff.output_ids)))
             entry.update(first_difference=pos, differs=side, live_text=ref.text, other_text=diff.text,
-                         live_ids=ref.output_ids, other_ids=diff.output_ids)
+                         live_ids=ref.output_ids, other_ids=diff.output_ids,
+                         same_ids_other_text=diff.output_ids == ref.output_ids)
         per_prompt.append(entry)
     equal = sum(p["equal"] for p in per_prompt)
     return {"equal": equal == n_prompts, "equal_prompts": equal, "per_prompt": per_prompt}
@@ -290,14 +357,19 @@ def judge(live: Side, shadow: Side, tokens: dict[str, Any], th: Thresholds) -> t
     checks: list[Check] = []
     if th.require_equal_tokens:
         bad = [p for p in tokens["per_prompt"] if not p["equal"]]
+        where = (("the same token ids but another text" if bad[0].get("same_ids_other_text")
+                  else f"at token {bad[0]['first_difference']}") if bad else "")
         detail = (f"{tokens['equal_prompts']}/{len(tokens['per_prompt'])} prompts give the same T=0 tokens"
-                  + (f"; first difference in {bad[0]['prompt']!r} at token {bad[0]['first_difference']}: "
+                  + (f"; first difference in {bad[0]['prompt']!r}, {where}: "
                      f"live {bad[0]['live_text'][:60]!r} vs {bad[0]['differs']} {bad[0]['other_text'][:60]!r}"
                      if bad else ""))
         checks.append(Check("tokens", not bad, detail))
     la, sa = live.accept_length, shadow.accept_length
     accept_ratio = sa / la if la and sa is not None else None
-    if sa is None:
+    if sa is not None and la is not None and accept_ratio is None:
+        checks.append(Check("accept_length", False, f"live reports an acceptance length of {la:g}: no "
+                            "reference to compare the shadow's with"))
+    elif sa is None:
         checks.append(Check("accept_length", False, "the shadow reports no acceptance length (spec_verify_ct "
                             "missing): it does not run speculative decoding"))
     elif la is None:
@@ -324,8 +396,7 @@ def compare(live_url: str, shadow_url: str, *, prompts: list[str] | None = None,
     th = thresholds or Thresholds()
     th.validate()
     prompts = list(prompts or DEFAULT_PROMPTS)
-    if rounds < 1 or max_new_tokens < 1:
-        raise CanaryInputError(f"--rounds {rounds} / --max-new-tokens {max_new_tokens}: both must be >= 1")
+    _check_inputs(prompts, rounds, max_new_tokens, ready_timeout, request_timeout)
     live = Side("live", _base(live_url, "--live"), release=live_release)
     shadow = Side("shadow", _base(shadow_url, "--shadow"), release=shadow_release)
     if live.url == shadow.url:
@@ -336,6 +407,18 @@ def compare(live_url: str, shadow_url: str, *, prompts: list[str] | None = None,
         read_server_info(side, request_timeout)
     report_args: dict[str, Any] = dict(thresholds=asdict(th), prompts=prompts, rounds=rounds,
                                        max_new_tokens=max_new_tokens)
+    unknown = [side.name for side in (live, shadow) if side.identity is None]
+    if unknown:
+        message = (f"{' and '.join(unknown)} answered no readable /server_info: the canary cannot tell which "
+                   "server it compares, nor what it runs")
+        return CanaryReport(False, "abort", f"server_info: {message}", [Check("server_info", False, message)],
+                            live.figures(), shadow.figures(), {"equal": False, "equal_prompts": 0,
+                                                               "per_prompt": []}, {}, exit_code=EXIT_FAILED,
+                            **report_args)
+    same = same_server(live, shadow)
+    if same:
+        raise CanaryInputError(f"--live {live.url} and --shadow {shadow.url} are the same server ({same}): "
+                               "give the shadow's own address")
     try:
         measure(live, shadow, prompts, rounds=rounds, max_new_tokens=max_new_tokens,
                 request_timeout=request_timeout)
@@ -352,6 +435,18 @@ def compare(live_url: str, shadow_url: str, *, prompts: list[str] | None = None,
     return CanaryReport(not failed, "abort" if failed else "promote", reason, checks, live.figures(),
                         shadow.figures(), tokens, ratios, exit_code=EXIT_FAILED if failed else EXIT_PROMOTE,
                         **report_args)
+
+
+def _check_inputs(prompts: list[str], rounds: int, max_new_tokens: int, ready_timeout: float,
+                  request_timeout: float) -> None:
+    if not 1 <= rounds <= 100 or not 1 <= max_new_tokens <= 4096:
+        raise CanaryInputError(f"--rounds {rounds} / --max-new-tokens {max_new_tokens}: rounds 1..100, "
+                               "max-new-tokens 1..4096")
+    for flag, value in (("--ready-timeout", ready_timeout), ("--request-timeout", request_timeout)):
+        if not (isinstance(value, int | float) and math.isfinite(value) and 0 < value <= 86400):
+            raise CanaryInputError(f"{flag} {value!r}: pass seconds in (0, 86400], e.g. 60")
+    if not 1 <= len(prompts) <= 64 or not all(isinstance(p, str) and 0 < len(p) <= 8192 for p in prompts):
+        raise CanaryInputError("--prompts: 1..64 prompts, each a non-empty string of at most 8192 characters")
 
 
 # ---------------------------------------------------------------------------- CLI

@@ -21,7 +21,6 @@ import stat
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import BinaryIO
 
 
@@ -41,14 +40,33 @@ class Finding:
 @dataclass(frozen=True)
 class _Rule:
     cause: str
-    patterns: tuple[re.Pattern[str], ...]
+    patterns: tuple[_InOrder, ...]
     summary: str
     fix: str
     term: str | None = None
 
 
-def _rx(*texts: str) -> tuple[re.Pattern[str], ...]:
-    return tuple(re.compile(t, re.IGNORECASE) for t in texts)
+class _InOrder:
+    """A pattern ``A.*B.*C`` matched as A, then B after it, then C after that: each piece is searched once
+    from where the last one ended, so a long line full of A's costs one pass, not one pass per A (``re``
+    would backtrack from every A to the end of the line: seconds for a 2 MB journal)."""
+
+    def __init__(self, text: str) -> None:
+        self.pattern = text
+        self.pieces = tuple(re.compile(piece, re.IGNORECASE) for piece in text.split(".*"))
+
+    def search(self, line: str) -> bool:
+        at = 0
+        for piece in self.pieces:
+            found = piece.search(line, at)
+            if found is None:
+                return False
+            at = found.end()
+        return True
+
+
+def _rx(*texts: str) -> tuple[_InOrder, ...]:
+    return tuple(_InOrder(t) for t in texts)
 
 
 # Order = report order: root causes first, then their consequences (a crash loop or a start
@@ -125,6 +143,15 @@ _RULES: tuple[_Rule, ...] = (
         "promote this build",
     ),
     _Rule(
+        "verify_not_lossless",
+        _rx(r"\bverify_not_lossless\b", r"speculative verify is not lossless"),
+        "the live probe found emitted tokens that are not the target's own greedy choice (its prefill of "
+        "prompt + answer disagrees beyond the near-tie margin): the speculative verify changes the output",
+        "the build is broken (tree mask, KV/state commit, acceptance rule or a captured graph): "
+        "ansible-playbook ansible/rollback.yml -l HOST and do not promote it; the first mismatch is in "
+        "figures.lossless of /var/lib/ddtree/probe/UNIT.json (docs/runbook.md#verify_not_lossless)",
+    ),
+    _Rule(
         "port_in_use",
         _rx(r"Address already in use", r"\[Errno 98\]"),
         "the server port is taken, often by a leftover SGLang process of an earlier start",
@@ -173,10 +200,20 @@ _RAISE_ABOVE = re.compile(r"Raise --mem-fraction-static above ([0-9.]+)")
 _HYBRID_NUMBERS = re.compile(r"total_rest_memory=(-?[0-9.]+) GB, mamba_cache_per_req=([0-9.]+) MB")
 _LOAD_BEGIN = re.compile(r"Load weight begin")
 _LOAD_END = re.compile(r"Load weight end")
-_GRAPH_BEGIN = re.compile(r"Capture .*CUDA graph begin", re.IGNORECASE)
-_GRAPH_END = re.compile(r"Capture .*CUDA graph end", re.IGNORECASE)
+_GRAPH_BEGIN = _InOrder(r"Capture .*CUDA graph begin")
+_GRAPH_END = _InOrder(r"Capture .*CUDA graph end")
 _RESTARTS = re.compile(r"restart counter is at (\d+)")
-_WIDTHS = re.compile(r"\[N, *(\d+)\].*?(?:got|captures).*?\[?(?:N, *)?(\d+)\]?")
+_WIDTH_EXPECTED = re.compile(r"\[N, *(\d+)\]")
+_WIDTH_SEEN = re.compile(r"got|captures")
+_WIDTH_OBSERVED = re.compile(r"(\d+)")
+
+
+def _widths(line: str) -> tuple[str, str] | None:
+    """(expected, observed) of a width mismatch line: '[N, 25600] ... got [N, 5120]', in one pass."""
+    expected = _WIDTH_EXPECTED.search(line)
+    seen = expected and _WIDTH_SEEN.search(line, expected.end())
+    observed = seen and _WIDTH_OBSERVED.search(line, seen.end())
+    return (expected.group(1), observed.group(1)) if observed else None
 
 
 def _detail(cause: str, line: str, matches: list[str]) -> str:
@@ -187,8 +224,8 @@ def _detail(cause: str, line: str, matches: list[str]) -> str:
         counts = [int(m.group(1)) for text in matches if (m := _RESTARTS.search(text))]
         if counts:
             return f" (restart counter reached {max(counts)})"
-    if cause == "hidden_width_mismatch" and (m := _WIDTHS.search(line)):
-        return f" (expected width {m.group(1)}, got {m.group(2)})"
+    if cause == "hidden_width_mismatch" and (widths := _widths(line)):
+        return f" (expected width {widths[0]}, got {widths[1]})"
     if cause == "weights_exceed_static_pool" and (m := _RAISE_ABOVE.search(line)):
         return f" (SGLang asks for mem-fraction-static above {m.group(1)})"
     if cause == "hybrid_state_cache_oom" and (m := _HYBRID_NUMBERS.search(line)):
@@ -233,24 +270,29 @@ def scan(journal_text: str) -> list[Finding]:
 
 def with_plan(findings: list[Finding], plan: dict) -> list[Finding]:
     """Memory findings with the plan's figure for their term and its proposed change (plan --json)."""
-    terms = {t.get("key"): t for t in plan.get("terms", []) if isinstance(t, dict)}
-    changes = [c for c in plan.get("changes", []) if isinstance(c, dict)]
-    verdict = plan.get("verdict") or {}
+    def listed(key: str) -> list[dict]:  # a hand-edited plan: what is not a list of objects is none
+        value = plan.get(key)
+        return [item for item in value if isinstance(item, dict)] if isinstance(value, list) else []
+
+    terms = {t.get("key"): t for t in listed("terms")
+             if isinstance(t.get("label"), str) and isinstance(t.get("gib"), int | float)}
+    changes = [c for c in listed("changes") if isinstance(c.get("summary"), str)]
+    verdict = plan.get("verdict") if isinstance(plan.get("verdict"), dict) else {}
     out = []
     for f in findings:
         if f.term is None:
             out.append(f)
             continue
         term = terms.get(f.term)
-        planned = f" Planned: {term['label']} {float(term['gib']):.2f} GiB per GPU" if term else ""
+        planned = f" Planned: {term['label'][:100]} {float(term['gib']):.2f} GiB per GPU" if term else ""
         if verdict.get("fits") is False:
-            planned += f"; the plan said it does not fit ({verdict.get('message', '')})"
+            planned += f"; the plan said it does not fit ({str(verdict.get('message', ''))[:300]})"
         elif verdict.get("fits"):
             planned += ("; the plan expected it to fit, so an estimated term (CUDA context, CUDA graphs and "
                         "activations) was larger on this host")
         fix = f.fix
         if changes:
-            fix = f"the plan's smallest change that fits: {changes[0].get('summary')}; otherwise: {f.fix}"
+            fix = f"the plan's smallest change that fits: {changes[0]['summary'][:200]}; otherwise: {f.fix}"
         out.append(Finding(f.cause, f.summary + "." + planned, f.evidence, fix, f.count, f.term))
     return out
 
@@ -327,6 +369,28 @@ def read_journal_file(path: str) -> str:
         return fh.read(MAX_JOURNAL_BYTES).decode(errors="replace")
 
 
+MAX_PLAN_BYTES = 16 * 1024 * 1024  # a `ddtree plan --json` document is a few KiB
+
+
+def read_plan_file(path: str) -> dict:
+    """A `ddtree plan --json` document: a regular file (a FIFO in its place must not hang the rescue),
+    size-capped, a JSON object however it is nested; ValueError says what is wrong."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file: pass the file `ddtree plan --json` wrote")
+        raw = fh.read(MAX_PLAN_BYTES + 1)
+    if len(raw) > MAX_PLAN_BYTES:
+        raise ValueError(f"more than {MAX_PLAN_BYTES >> 20} MiB: not a plan")
+    try:
+        plan = json.loads(raw.decode("utf-8", errors="replace"))
+    except RecursionError:
+        raise ValueError("nested too deeply to be a plan") from None
+    if not isinstance(plan, dict):
+        raise ValueError("not a JSON object (`ddtree plan --json` writes one)")
+    return plan
+
+
 def _tail(stream: BinaryIO) -> str:
     """The last MAX_JOURNAL_BYTES of a stream, read in chunks (a pipe may be endless)."""
     kept = collections.deque(maxlen=MAX_JOURNAL_BYTES // (1 << 20))
@@ -340,11 +404,11 @@ def report_journal(text: str, source: str, args: argparse.Namespace) -> int:
     findings = scan(text)
     if getattr(args, "plan", None):
         try:
-            plan = json.loads(Path(args.plan).read_text())
+            plan = read_plan_file(args.plan)
         except (OSError, ValueError) as exc:
             print(f"ddtree diagnose: cannot read the plan {args.plan}: {exc}", file=sys.stderr)
             return 2
-        findings = with_plan(findings, plan if isinstance(plan, dict) else {})
+        findings = with_plan(findings, plan)
     return _report(findings, source, args.json)
 
 

@@ -168,6 +168,13 @@ class DDTreeCollector:
             ("probe_failure_info", "1 for the cause of the unit's failing last probe",
              ["unit", "probe", "cause"]),
             ("spec_accept_length", "tokens per verify step measured by the last live probe", ["unit"]),
+            ("probe_lossless_checked", "1 if the last live probe checked every emitted token against the "
+             "target's prefill, 0 if the server could not be checked", ["unit"]),
+            ("probe_lossless_tokens_checked", "emitted tokens the last live probe checked", ["unit"]),
+            ("probe_lossless_mismatches", "emitted tokens that were not the target's greedy choice beyond "
+             "the near-tie margin (0 on a lossless build)", ["unit"]),
+            ("probe_lossless_near_ties", "emitted tokens within the near-tie margin of the target's choice",
+             ["unit"]),
             ("handshake_expected_hidden_width", "hidden width the drafter expects (K x H)", ["unit"]),
             ("handshake_observed_hidden_width", "hidden width the target handed the drafter", ["unit"]),
             ("handshake_ok", "1 if the DDTree handshake status is ok and the widths agree", ["unit"]),
@@ -222,6 +229,7 @@ class DDTreeCollector:
             out.append(("probe_failure_info", [unit, kind, _label(rep.get("cause") or "unknown")], 1.0))
         if (accept := _num(figures.get("accept_length"))) is not None:
             out.append(("spec_accept_length", [unit], accept))
+        out += self._lossless(unit, _obj(figures, "lossless", path))
         exp, obs = _num(hs.get("expected_hidden_width")), _num(hs.get("observed_hidden_width"))
         if exp is not None:
             out.append(("handshake_expected_hidden_width", [unit], exp))
@@ -232,6 +240,19 @@ class DDTreeCollector:
             out.append(("handshake_ok", [unit], 1.0 if ok else 0.0))
         if (budget := _num(hs.get("budget"))) is not None:
             out.append(("budget", [unit], budget))
+        return out
+
+    @staticmethod
+    def _lossless(unit: str, checked: dict[str, Any]) -> list[Sample]:
+        status = checked.get("status")
+        if status not in ("passed", "failed", "not_checked"):
+            return []
+        out: list[Sample] = [("probe_lossless_checked", [unit], 0.0 if status == "not_checked" else 1.0)]
+        for key, family in (("tokens_checked", "probe_lossless_tokens_checked"),
+                            ("mismatches", "probe_lossless_mismatches"),
+                            ("near_ties", "probe_lossless_near_ties")):
+            if status != "not_checked" and (value := _num(checked.get(key))) is not None:
+                out.append((family, [unit], value))
         return out
 
     def _state(self, unit: str, path: Path) -> list[Sample]:

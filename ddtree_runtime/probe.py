@@ -2,13 +2,14 @@
 
 static: the model pair on disk agrees on the hidden-state contract (configs and safetensors header).
 live:   the server is ready, runs DDTREE with the expected handshake, answers fixed prompts at T=0,
-        and accepts enough draft tokens per verify step.
+        every token it emitted is the target's own greedy choice (one prefill of prompt + answer per
+        prompt, ddtree_runtime.lossless), and it accepts enough draft tokens per verify step.
 
 Exit codes (an Ansible task gates on them): 0 pass, 1 a check failed, 2 bad input, 3 server not
 reachable or not ready in time. Every HTTP exchange ends within its deadline (--timeout for readiness,
 --request-timeout for each request after it), however slowly the server answers, so `probe live`
-ends within --timeout + (prompts + 2) x --request-timeout. Host side: stdlib only (plus our contract,
-diagnose and http_client).
+ends within --timeout + (prompts + 4) x --request-timeout. Host side: stdlib only (plus our contract,
+diagnose, lossless and http_client).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddtree_runtime import diagnose, http_client
+from ddtree_runtime import diagnose, http_client, lossless
 from ddtree_runtime.http_client import HTTPFailure
 
 EXIT_PASS, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOT_READY = 0, 1, 2, 3
@@ -294,11 +295,25 @@ _FAILURE_HINT = {
 }
 
 
-def _generate(base: str, prompts: list[str], max_new_tokens: int, timeout: float, report: Report) -> list:
-    """One greedy generation per prompt; returns (completion_tokens, spec_verify_ct or None) per answer."""
+def _tokenize(base: str, prompts: list[str], timeout: float, report: Report) -> tuple[list | None, str]:
+    """The prompts' token ids as the server reads them (the generation and the lossless check then send
+    the same ids), or (None, why the lossless check cannot run)."""
+    try:
+        return lossless.tokenize(base, prompts, timeout=timeout)
+    except HTTPFailure as exc:
+        cause = _failure_cause(exc)
+        report.check("lossless", False, f"{exc}; {_FAILURE_HINT[cause]}", cause)
+        return None, ""
+
+
+def _generate(base: str, prompts: list[str], max_new_tokens: int, timeout: float, report: Report,
+              prompt_ids: list[list[int]] | None = None) -> list:
+    """One greedy generation per prompt (its token ids when known); returns (completion_tokens,
+    spec_verify_ct or None) per answer."""
     counts, answers, started = [], [], time.monotonic()
-    for prompt in prompts:
-        payload = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens}}
+    for i, prompt in enumerate(prompts):
+        source = {"text": prompt} if prompt_ids is None else {"input_ids": prompt_ids[i]}
+        payload = {**source, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens}}
         try:
             status, body = http_request(f"{base}/generate", payload=payload, timeout=timeout)
         except HTTPFailure as exc:
@@ -480,8 +495,35 @@ def _check_handshake(report: Report, hs: Any) -> None:
         report.check("handshake", True, detail)
 
 
+def _run_lossless(base: str, report: Report, prompt_ids: list | None, skipped: str, margin: float,
+                  timeout: float) -> dict[str, Any] | None:
+    """The lossless check's HTTP part, right after the generation; None once a failure is recorded."""
+    answers = report.figures.get("answers") or []
+    if prompt_ids is None:
+        return lossless.not_checked(skipped, margin)
+    if any(a["output_ids"] is None for a in answers):
+        return lossless.not_checked("the /generate answers carry no output_ids", margin)
+    generations = [lossless.Generation(ids, a["output_ids"])
+                   for ids, a in zip(prompt_ids, answers, strict=True)]
+    try:
+        return lossless.verify(base, generations, margin=margin, timeout=timeout)
+    except HTTPFailure as exc:
+        cause = _failure_cause(exc)
+        report.check("lossless", False, f"{exc}; {_FAILURE_HINT[cause]}", cause)
+    except lossless.BadAnswer as exc:
+        report.check("lossless", False, f"{exc}: not an SGLang 0.5.23 answer", "bad_response")
+    return None
+
+
+def _check_lossless(report: Report, doc: dict[str, Any]) -> None:
+    report.figures["lossless"] = doc
+    ok = doc["status"] != lossless.FAILED  # not_checked is said, never failed and never passed silently
+    report.check("lossless", ok, lossless.summary(doc), "verify_not_lossless")
+
+
 def check_live_args(url: str, *, timeout: float, request_timeout: float, max_new_tokens: int,
-                    min_accept_length: float | None, prompts: list[str] | None, poll_s: float = 2.0) -> str:
+                    min_accept_length: float | None, prompts: list[str] | None, poll_s: float = 2.0,
+                    lossless_margin: float = lossless.DEFAULT_MARGIN) -> str:
     """The base URL; _ProbeInputError (exit 2) naming the first argument that cannot work."""
     try:
         base = http_client.check_base_url(url)
@@ -498,6 +540,10 @@ def check_live_args(url: str, *, timeout: float, request_timeout: float, max_new
             and 1 <= min_accept_length <= 10**4):
         raise _ProbeInputError(f"--min-accept-length {min_accept_length!r}: pass a finite number >= 1 "
                                "(tokens per verify step; 1.0 means no draft token is ever accepted)")
+    if isinstance(lossless_margin, bool) or not isinstance(lossless_margin, int | float) or not (
+            math.isfinite(lossless_margin) and 0 <= lossless_margin <= 100):
+        raise _ProbeInputError(f"--lossless-margin {lossless_margin!r}: pass a number of nats in [0, 100] "
+                               f"(default {lossless.DEFAULT_MARGIN:g})")
     if prompts is not None:
         if not prompts:
             raise _ProbeInputError("--prompts: pass at least one prompt")
@@ -510,16 +556,24 @@ def check_live_args(url: str, *, timeout: float, request_timeout: float, max_new
 
 def live_probe(url: str, *, timeout: float = 600, min_accept_length: float | None = None,
                prompts: list[str] | None = None, max_new_tokens: int = 32, request_timeout: float = 120,
-               expect: dict[str, str] | None = None, poll_s: float = 2.0, unit: str | None = None) -> Report:
+               expect: dict[str, str] | None = None, poll_s: float = 2.0, unit: str | None = None,
+               lossless_margin: float = lossless.DEFAULT_MARGIN) -> Report:
     report = Report("live")
     base = check_live_args(url, timeout=timeout, request_timeout=request_timeout,
                            max_new_tokens=max_new_tokens, min_accept_length=min_accept_length,
-                           prompts=prompts, poll_s=poll_s)
+                           prompts=prompts, poll_s=poll_s, lossless_margin=lossless_margin)
     report.figures["url"] = base
     if not wait_ready(base, timeout, report, poll_s=poll_s, unit=unit):
         return report
-    counts = _generate(base, list(prompts or DEFAULT_PROMPTS), max_new_tokens, request_timeout, report)
+    prompts = list(prompts or DEFAULT_PROMPTS)
+    prompt_ids, skipped = _tokenize(base, prompts, request_timeout, report)
     if not report.ok:
+        return report
+    counts = _generate(base, prompts, max_new_tokens, request_timeout, report, prompt_ids)
+    if not report.ok:
+        return report
+    checked = _run_lossless(base, report, prompt_ids, skipped, lossless_margin, request_timeout)
+    if checked is None:
         return report
     try:
         status, body = http_request(f"{base}/server_info", timeout=request_timeout)
@@ -542,11 +596,14 @@ def live_probe(url: str, *, timeout: float = 600, min_accept_length: float | Non
                  ", ".join(f"{k}={info.get(k)}" for k in wanted), "flags_mismatch")
     if algorithm == "DDTREE":
         _check_handshake(report, info.get("ddtree_handshake"))
+    _check_lossless(report, checked)
     _check_accept_length(report, info, counts, base, request_timeout, min_accept_length)
     if report.ok:
         hybrid = ", hybrid target" if report.handshake.get("target_hybrid") is True else ""
+        shown = (f"lossless on {checked['tokens_checked']} tokens" if checked["status"] == lossless.PASSED
+                 else "lossless not checked")
         report.message = (f"{base} ready, {algorithm}{hybrid}, handshake "
-                          f"{report.handshake.get('status', 'n/a')}, accept length "
+                          f"{report.handshake.get('status', 'n/a')}, {shown}, accept length "
                           f"{report.figures['accept_length']}")
     return report
 
@@ -597,11 +654,18 @@ def format_report(report: Report) -> str:
     if not report.ok:
         head += f" [{report.cause}] (exit {report.exit_code})"
     lines = [head, f"  {report.message}"] if report.message else [head]
-    lines += [f"  {'ok  ' if c.ok else 'FAIL'} {c.name}: {c.detail}" for c in report.checks]
-    figures = {k: v for k, v in report.figures.items() if k not in ("answers", "diagnosis") and v is not None}
+    lines += [f"  {_mark(c)} {c.name}: {c.detail}" for c in report.checks]
+    figures = {k: v for k, v in report.figures.items()
+               if k not in ("answers", "diagnosis", "lossless") and v is not None}
     if figures:
         lines.append("  figures: " + ", ".join(f"{k}={v}" for k, v in figures.items()))
     return "\n".join(lines)
+
+
+def _mark(check: Check) -> str:
+    if not check.ok:
+        return "FAIL"
+    return "skip" if check.detail.startswith("not checked") else "ok  "
 
 
 def _emit(report: Report, args: argparse.Namespace) -> int:
@@ -660,7 +724,8 @@ def _run_live(args: argparse.Namespace) -> int:
             raise _ProbeInputError(f"--unit {args.unit[:60]!r} is not a systemd unit name")
         return _timed(live_probe, args.url, timeout=args.timeout, min_accept_length=args.min_accept_length,
                       prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-                      request_timeout=args.request_timeout, expect=_parse_expect(args.expect), unit=args.unit)
+                      request_timeout=args.request_timeout, expect=_parse_expect(args.expect), unit=args.unit,
+                      lossless_margin=args.lossless_margin)
 
     report = _guarded("live", run)
     if not report.ok and args.unit and report.exit_code != EXIT_BAD_INPUT:
@@ -696,4 +761,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="a /server_info field that must have this value (repeatable)")
     live.add_argument("--unit", help="stop waiting once systemd gives up on this unit; on failure, "
                       "name the cause from its journal")
+    live.add_argument("--lossless-margin", type=float, default=lossless.DEFAULT_MARGIN, metavar="NATS",
+                      help="an emitted token this close to the target's top-1 is a near-tie, not a mismatch "
+                      f"(default {lossless.DEFAULT_MARGIN:g}: bf16 verify and prefill kernels differ)")
     live.set_defaults(func=_run_live)

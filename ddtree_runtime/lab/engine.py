@@ -21,7 +21,9 @@ import torch
 from torch import Tensor
 
 from ddtree_runtime.contract import ContractError, HiddenContract, check_hidden_states, load_contract
+from ddtree_runtime.lab import faults as lab_faults
 from ddtree_runtime.lab.faults import ENGINE_FAULTS as FAULTS
+from ddtree_runtime.lab.logprobs import LogprobRecord, LogprobRequest, record_prompt
 from ddtree_runtime.lab.models import KVCache, causal_mask, load_draft, load_target
 from ddtree_runtime.lab.tokenizer import LabTokenizer
 from ddtree_runtime.tree import DraftTree, build_tree, commit_plan, compile_tree, walk_greedy, walk_sample
@@ -84,6 +86,7 @@ class GenerationResult:
     verify_ct: int = 0  # speculative rounds this request took part in
     accepted_sum: int = 0  # sum of tau (accepted drafts + bonus) over those rounds
     accept_lengths: list[int] = field(default_factory=list)
+    logprobs: LogprobRecord | None = None  # return_logprob requests only
 
     @property
     def completion_tokens(self) -> int:
@@ -199,7 +202,7 @@ class LabEngine:
         )
         cache.commit_recurrent(torch.zeros_like(lens))
         nxt = self._decide(logits, params)
-        return nxt, torch.ones(b, dtype=torch.long, device=self.device), lens + 1
+        return nxt, torch.ones(b, dtype=torch.long, device=self.device), lens + 1, logits
 
     def _spec_round(self, cache: KVCache, ds: _DraftState, lens: Tensor, roots: Tensor, params):
         draft_logits = ds.propose(lens, roots, self.target.model.embed_tokens, self.block_size, self.mask_id)
@@ -221,7 +224,8 @@ class LabEngine:
             vin.input_ids, vin.positions, allowed, cache, write_rows, counts, "verify", parents=tree.parents
         )
         if all(p.greedy for p in params):
-            walk = walk_greedy(tree, logits)
+            walk_fn = lab_faults.relaxed_greedy_walk if self.fault == "relaxed_accept" else walk_greedy
+            walk = walk_fn(tree, logits)
         else:
             walk = walk_sample(tree, self._probs(logits, params), generator=self.generator)
         cache.commit_recurrent(self._recurrent_commit_rows(walk))
@@ -234,7 +238,9 @@ class LabEngine:
         self.stats.verify_ct += b
         self.stats.accepted_sum += int(walk.num_accepted.sum())
         self.stats.last_accept_length = float(walk.num_accepted.float().mean())
-        return walk.emitted, walk.num_emitted, plan.new_len
+        # The verify row of each accepted node decided the token emitted after it (return_logprob).
+        deciding = logits.gather(1, acc[:, :, None].expand(-1, -1, logits.shape[-1]))
+        return walk.emitted, walk.num_emitted, plan.new_len, deciding
 
     @staticmethod
     def _recurrent_commit_rows(walk) -> Tensor:
@@ -328,6 +334,7 @@ class Request:
     result: GenerationResult
     tag: object = None  # the caller's handle
     output: list[int] = field(default_factory=list)
+    logprob: LogprobRequest | None = None
 
 
 class RunningBatch:
@@ -346,17 +353,21 @@ class RunningBatch:
         return len(self.requests)
 
     @torch.no_grad()
-    def admit(self, prompts: list[list[int]], params: list[SamplingParams], tags=None) -> list[Request]:
-        """Prefill new requests (their first token is decided here) and add them to the batch."""
+    def admit(self, prompts: list[list[int]], params: list[SamplingParams], tags=None,
+              logprobs: list[LogprobRequest | None] | None = None) -> list[Request]:
+        """Prefill new requests (their first token is decided here) and add them to the batch.
+        ``logprobs``: per request, what SGLang's return_logprob asks (None: nothing)."""
         eng = self.engine
         if len(prompts) != len(params):
             raise ValueError("one SamplingParams per prompt")
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         tags = list(tags) if tags is not None else [None] * len(prompts)
+        logprobs = list(logprobs) if logprobs is not None else [None] * len(prompts)
         reqs = [
-            Request(list(p), sp, GenerationResult([], {"type": "length", "length": 0}, len(p)), tag)
-            for p, sp, tag in zip(prompts, params, tags, strict=True)
+            Request(list(p), sp, GenerationResult([], {"type": "length", "length": 0}, len(p)), tag,
+                    logprob=lp)
+            for p, sp, tag, lp in zip(prompts, params, tags, logprobs, strict=True)
         ]
         eng.stats.prompt_tokens += sum(len(p) for p in prompts)
         todo = [r for r in reqs if r.params.max_new_tokens > 0]
@@ -377,8 +388,11 @@ class RunningBatch:
         cache.commit_recurrent(lens - 1)  # GDN layers: the state after each prompt's last token
         last = logits.gather(1, (lens - 1)[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0]
         roots = eng._decide(last[:, None], [r.params for r in todo])[:, 0]
-        for r, t in zip(todo, roots.tolist(), strict=True):
+        for i, (r, t) in enumerate(zip(todo, roots.tolist(), strict=True)):
             r.output.append(int(t))
+            if r.logprob is not None:
+                r.result.logprobs = record_prompt(r.logprob, logits[i, : len(r.prompt)], r.prompt)
+                r.result.logprobs.add_outputs(last[i : i + 1], [int(t)])
         draft = None
         if eng.draft is not None:
             draft = _DraftState(eng.draft, b, cache.capacity, eng.target.lm_head.weight)
@@ -417,16 +431,20 @@ class RunningBatch:
             return done
         params = [r.params for r in self.requests]
         if eng.draft is None:
-            emitted, nums, self.lens = eng._ar_round(self.cache, self.lens, self.roots, params)
+            emitted, nums, self.lens, deciding = eng._ar_round(self.cache, self.lens, self.roots, params)
         else:
-            emitted, nums, self.lens = eng._spec_round(self.cache, self.draft, self.lens, self.roots, params)
+            emitted, nums, self.lens, deciding = eng._spec_round(
+                self.cache, self.draft, self.lens, self.roots, params
+            )
             for r, k in zip(self.requests, nums.tolist(), strict=True):
                 r.result.verify_ct += 1
                 r.result.accepted_sum += k
                 r.result.accept_lengths.append(k)
         self.roots = emitted.gather(1, (nums - 1)[:, None])[:, 0]
-        for r, row, k in zip(self.requests, emitted.tolist(), nums.tolist(), strict=True):
+        for i, (r, row, k) in enumerate(zip(self.requests, emitted.tolist(), nums.tolist(), strict=True)):
             r.output.extend(row[:k])
+            if r.result.logprobs is not None:
+                r.result.logprobs.add_outputs(deciding[i, :k], row[:k])
         if eng.on_round is not None:
             eng.on_round(len(self.requests), sum(len(r.prompt) + len(r.output) for r in self.requests))
         return done + self._reap()
@@ -439,6 +457,8 @@ class RunningBatch:
         keep = [i for i, r in enumerate(self.requests) if r not in done]
         for r in done:
             r.result.output_ids, r.result.finish_reason = eng._truncate(r.output, r.params)
+            if r.result.logprobs is not None:
+                r.result.logprobs.keep_outputs(len(r.result.output_ids))
             eng.stats.generated_tokens += r.result.completion_tokens
         self.requests = [self.requests[i] for i in keep]
         if self.requests:

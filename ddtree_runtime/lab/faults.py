@@ -1,10 +1,14 @@
 """Lab faults (docs/interfaces.md section 3) and the way a failing server dies: SGLang's way.
 
-Each fault reproduces a failure seen in the field:
+Each fault reproduces a failure seen in the field, or one a probe must catch:
 
 - ``capture_predicate``: the target captures one layer, so the drafter is handed [N, H] instead of
   [N, k*H] (a DFlash-family predicate that does not include DDTREE);
 - ``hidden_none``: the target captures nothing (hidden states None);
+- ``relaxed_accept``: the greedy walk accepts a drafted token whose target probability is at least 0.1,
+  the target's first choice or not (a relaxed acceptance threshold, like SGLang's
+  --speculative-accept-threshold-single, applied at T = 0): fluent text and an acceptance length in the
+  usual range, but not the target's greedy output (the live probe's lossless check names it);
 - ``slow_start``: model loading takes ``DDTREE_LAB_START_DELAY_S`` seconds (default 30);
 - ``crash_after_start``: the scheduler dies ``DDTREE_LAB_CRASH_AFTER_S`` seconds after ready (default 5).
 
@@ -25,7 +29,13 @@ import threading
 import traceback
 from dataclasses import dataclass
 
-ENGINE_FAULTS = ("capture_predicate", "hidden_none")
+import torch
+from torch import Tensor
+
+from ddtree_runtime.tree import DraftTree, WalkResult, walk_posterior
+
+ENGINE_FAULTS = ("capture_predicate", "hidden_none", "relaxed_accept")
+RELAXED_THRESHOLD = 0.1  # relaxed_accept: the target probability a drafted token needs
 FAULTS = (*ENGINE_FAULTS, "slow_start", "crash_after_start")
 
 log = logging.getLogger("ddtree.lab")
@@ -66,6 +76,26 @@ def _seconds(env: dict[str, str], name: str, default: float) -> float:
     if value < 0:
         raise ValueError(f"{name}={raw!r} must be >= 0")
     return value
+
+
+def relaxed_greedy_walk(tree: DraftTree, target_logits: Tensor, threshold: float = RELAXED_THRESHOLD
+                        ) -> WalkResult:
+    """relaxed_accept: the greedy walk over ``target_logits [b, B+1, V]``, except that at every node the
+    first drafted child (in pop order) whose target probability is at least ``threshold`` is accepted,
+    the target's first choice or not."""
+    probs = torch.softmax(target_logits.float(), dim=-1)
+    b, rows, _ = probs.shape
+    parents = tree.parents[:, 1:].clamp(min=0)  # [b, B]: the parent of node i+1
+    child = tree.tokens.clamp(min=0)
+    p_child = probs.gather(1, parents[:, :, None].expand(-1, -1, probs.shape[-1])).gather(
+        2, child[:, :, None])[:, :, 0]
+    ok = (tree.depths > 0) & (p_child >= threshold)
+    nodes = torch.arange(1, rows, device=child.device).expand(b, -1)
+    none = torch.full((b, rows), rows, dtype=torch.long, device=child.device)
+    first = none.scatter_reduce(1, parents, torch.where(ok, nodes, rows), "amin")  # [b, B+1]
+    tokens = torch.cat([child, child[:, :1]], dim=1)  # node j's token at j - 1; the pad is never read
+    decided = torch.where(first < rows, tokens.gather(1, (first - 1).clamp(min=0)), target_logits.argmax(-1))
+    return walk_posterior(tree, decided)
 
 
 def die_like_sglang(exc: BaseException, *, where: str = "Scheduler") -> None:

@@ -44,7 +44,8 @@ class LabService(Protocol):
     running: int
     jobs: queue.Queue
 
-    def submit(self, prompts: list[list[int]], params: list, *, timeout: float | None = None) -> Job: ...
+    def submit(self, prompts: list[list[int]], params: list, *, timeout: float | None = None,
+               logprobs: list | None = None) -> Job: ...
     def request(self) -> contextlib.AbstractContextManager[None]: ...
     def server_info(self) -> dict: ...
     def model_info(self) -> dict: ...
@@ -219,6 +220,11 @@ def parse_generate(body: dict, lab: LabService) -> tuple[list[list[int]], list, 
     for key, kind in (("stream", "bool"), ("return_text_in_logprobs", "bool"), ("rid", "str_or_list")):
         if body.get(key) is not None and (error := _contract_error(kind, body[key])):
             raise BadRequest(error, contract=True)
+    for key, kind in (("return_logprob", "bool"), ("logprob_start_len", "i64"), ("top_logprobs_num", "i64")):
+        value = body.get(key)
+        if value is not None and (error := next((e for v in (value if isinstance(value, list) else [value])
+                                                 if (e := _contract_error(kind, v))), None)):
+            raise BadRequest(error, contract=True)
     text, ids = body.get("text"), body.get("input_ids")
     if text is None and ids is None:
         raise BadRequest("Either text, input_ids or input_embeds should be provided.")
@@ -226,8 +232,6 @@ def parse_generate(body: dict, lab: LabService) -> tuple[list[list[int]], list, 
         raise BadRequest("Either text or input_ids should be provided, not both.")
     if body.get("stream"):
         raise BadRequest("stream=true is not supported by the lab engine; send stream=false.")
-    if body.get("return_logprob") and lab.engine.algorithm != "NONE":
-        raise BadRequest("DFLASH speculative decoding does not support return_logprob yet.")
     tok = lab.engine.tokenizer
     if text is not None:
         batched = isinstance(text, list)
@@ -266,6 +270,48 @@ def parse_generate(body: dict, lab: LabService) -> tuple[list[list[int]], list, 
         raise BadRequest(f"Invalid sampling_params: {exc}") from exc
     check_context(prompts, params, lab.sargs["context_length"])
     return prompts, params, batched
+
+
+def parse_logprobs(body: dict, prompts: list[list[int]]) -> list | None:
+    """GenerateReqInput's return_logprob, logprob_start_len, top_logprobs_num (each one value or one per
+    prompt) -> a LogprobRequest per prompt (None where not asked), or None when no prompt asks."""
+    from ddtree_runtime.lab.logprobs import LogprobRequest
+
+    def per_prompt(key: str, default: Any) -> list:
+        value = body.get(key)
+        if value is None:
+            return [default] * len(prompts)
+        if not isinstance(value, list):
+            return [value] * len(prompts)
+        if len(value) != len(prompts):
+            raise BadRequest(f"{key} must be one value, or a list of one value per prompt.")
+        return value
+
+    asked, starts, tops = (per_prompt(k, d) for k, d in (("return_logprob", False), ("logprob_start_len", -1),
+                                                          ("top_logprobs_num", 0)))
+    out = []
+    for prompt, ask, start, top in zip(prompts, asked, starts, tops, strict=True):
+        if start > len(prompt):
+            raise BadRequest(f"req.logprob_start_len={start} is higher than the number of input tokens "
+                             f"len(req.origin_input_ids)={len(prompt)}. Please use a smaller "
+                             "logprob_start_len.")
+        out.append(LogprobRequest(start, max(top, 0)) if ask else None)
+    return out if any(out) else None
+
+
+def parse_tokenize(body: dict, lab: LabService) -> dict:
+    """SGLang's /tokenize (TokenizeRequest, prompt text or a list of texts): the ids /generate reads."""
+    prompt = body.get("prompt")
+    tok = lab.engine.tokenizer
+    if isinstance(prompt, str):
+        tokens: list = tok.encode(_unicode(prompt))
+        count: int | list[int] = len(tokens)
+    elif isinstance(prompt, list) and all(isinstance(p, str) for p in prompt):
+        tokens = [tok.encode(_unicode(p)) for p in prompt]
+        count = [len(t) for t in tokens]
+    else:
+        raise BadRequest(f"Invalid prompt type: {type(prompt)}. Expected str or List[str].")
+    return {"tokens": tokens, "count": count, "max_model_len": lab.sargs["context_length"]}
 
 
 def _unicode(text: str) -> str:
@@ -549,7 +595,7 @@ class Handler(BaseHTTPRequestHandler):
         openai = path.startswith("/v1/")
         if path == "/flush_cache":
             return self.do_GET()
-        if path not in ("/generate", "/v1/chat/completions", "/v1/completions"):
+        if path not in ("/generate", "/v1/chat/completions", "/v1/completions", "/tokenize", "/v1/tokenize"):
             return self._refuse(404, "Not Found", openai=openai)  # its body stays unread
         body = self._read_json(openai=openai)  # not yet in flight: a stalled upload never holds the drain
         if body is None:
@@ -561,14 +607,18 @@ class Handler(BaseHTTPRequestHandler):
             if lab.status == "starting":
                 return self._error(503, f"The server is not ready (status: {lab.status}).", openai=openai)
             try:
+                if path.endswith("/tokenize"):
+                    return self._send(200, parse_tokenize(body, lab))
+                logprobs = None
                 if path == "/generate":
                     prompts, params, batched = parse_generate(body, lab)
+                    logprobs = parse_logprobs(body, prompts)
                 else:
                     prompt, p = parse_openai(body, lab, chat=path == "/v1/chat/completions")
                     prompts, params, batched = [prompt], [p], False
             except BadRequest as exc:
                 return self._error(400, str(exc), openai=openai, contract=exc.contract and not openai)
-            job = lab.submit(prompts, params)
+            job = lab.submit(prompts, params, logprobs=logprobs)
             if path == "/generate":
                 rid = body.get("rid") if not batched and isinstance(body.get("rid"), str) else None
                 items = [generate_item(lab, job, i, rid) for i in range(len(prompts))]
@@ -610,6 +660,8 @@ def generate_item(lab: LabService, job: Job, i: int, rid: str | None = None) -> 
         for n in r.accept_lengths:
             hist[n] += 1
         meta["spec_accept_histogram"] = hist
+    if r.logprobs is not None:
+        meta.update(r.logprobs.meta_info())
     text = lab.engine.tokenizer.decode(r.output_ids)
     return {"text": text, "output_ids": r.output_ids, "meta_info": meta}
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 class Job:
     prompts: list[list[int]]
     params: list  # SamplingParams
+    logprobs: list | None = None  # LogprobRequest or None per prompt (return_logprob)
     done: threading.Event = field(default_factory=threading.Event)
     results: list | None = None
     remaining: int = 0  # requests of this job still decoding

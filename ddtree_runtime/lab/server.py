@@ -19,6 +19,7 @@ import queue
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -52,6 +53,8 @@ class LabServer:
         self.plan = plan
         self.device = device
         self.status = "starting"  # starting | ready | draining
+        # Which server answers (the canary refuses to compare a server with itself under two URLs).
+        self.instance_id = uuid.uuid4().hex
         self.engine = None
         self.memory: MemoryPlan | None = None
         self.jobs: queue.Queue[Job] = queue.Queue()
@@ -167,9 +170,10 @@ class LabServer:
 
     # ------------------------------------------------------------------ scheduling
 
-    def submit(self, prompts: list[list[int]], params: list, *, timeout: float | None = None) -> Job:
+    def submit(self, prompts: list[list[int]], params: list, *, timeout: float | None = None,
+               logprobs: list | None = None) -> Job:
         """Queue a job for the scheduler and wait for its answer (job.done is unset after a timeout)."""
-        job = Job(prompts, params)
+        job = Job(prompts, params, logprobs)
         self.jobs.put(job)
         job.done.wait(timeout)
         return job
@@ -237,7 +241,8 @@ class LabServer:
         for job in jobs:
             job.results = [None] * len(job.prompts)
             job.remaining = len(job.prompts)
-            reqs = batch.admit(job.prompts, job.params, [(job, i) for i in range(len(job.prompts))])
+            reqs = batch.admit(job.prompts, job.params, [(job, i) for i in range(len(job.prompts))],
+                               job.logprobs)
             for req in reqs:
                 if req.params.max_new_tokens == 0:  # never joins the batch: answered at once
                     self._finish(req)
@@ -354,6 +359,7 @@ class LabServer:
         info.update(
             version=SGLANG_VERSION,
             ddtree_runtime_version=__version__,
+            ddtree_instance_id=self.instance_id,
             engine="ddtree-lab",
             status=self.status,
             max_total_num_tokens=self.memory.max_total_num_tokens if self.memory else None,

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ddtree_runtime import diagnose
+from ddtree_runtime.deploy_inputs import unit_name
 
 LIVE_UNIT = "sglang-qwen"
 REMOTE_SCRIPT = Path(__file__).with_name("fleet_remote.py")
@@ -109,6 +110,26 @@ def _hosts(inventory: str | list[str], pattern: str,
     return hosts, VariableManager(loader=loader, inventory=inv), loader, inv
 
 
+def _host_target(host: Any, manager: Any, loader: Any, timeout: float, source: str) -> Target:
+    """One inventory host's Target, its connection variables templated; FleetError names a bad one."""
+    from ansible.errors import AnsibleError
+    from ansible.template import Templar
+
+    hv = manager.get_vars(host=host, include_hostvars=False)
+    templar = Templar(loader=loader, variables=hv)
+
+    def var(*names: str, default: Any = None) -> Any:
+        for name in names:
+            if hv.get(name) is not None:
+                return templar.template(hv[name])
+        return default
+
+    try:
+        return _target(host.name, var, timeout)
+    except (AnsibleError, ValueError, TypeError) as exc:
+        raise FleetError(f"inventory {source}: host {host.name}'s connection variables: {exc}") from None
+
+
 def load_targets(inventory: str | list[str], limit: str | None = None, *,
                  timeout: float = 10.0) -> list[Target]:
     """Hosts of the inventory (after --limit) with their templated connection variables. Hosts that are
@@ -116,45 +137,11 @@ def load_targets(inventory: str | list[str], limit: str | None = None, *,
     hosts, manager, loader, _ = _hosts(inventory, "all", limit)
     hosts = [h for h in hosts if {g.name for g in h.get_groups()} - {"all", "ungrouped", ROUTERS_GROUP}
              or ROUTERS_GROUP not in {g.name for g in h.get_groups()}]
+    name = inventory if isinstance(inventory, str) else ", ".join(inventory)
     if not hosts:
-        name = inventory if isinstance(inventory, str) else ", ".join(inventory)
         raise FleetError(f"no host in {name} matches --limit {limit!r}" if limit
                          else f"inventory {name} has no hosts")
-    return [_target(host, manager, loader, timeout) for host in hosts]
-
-
-def _target(host: Any, manager: Any, loader: Any, timeout: float) -> Target:
-    from ansible.template import Templar
-
-    from ansible import constants as C
-
-    hv = manager.get_vars(host=host, include_hostvars=False)
-    templar = Templar(loader=loader, variables=hv)
-
-    def var(*names: str, default: Any = None, hv: dict = hv, templar: Templar = templar) -> Any:
-        for name in names:
-            if hv.get(name) is not None:
-                return templar.template(hv[name])
-        return default
-
-    opts = _ssh_options(var("ansible_ssh_common_args"), var("ansible_ssh_extra_args"))
-    checking = var("ansible_host_key_checking", "ansible_ssh_host_key_checking",
-                   default=C.HOST_KEY_CHECKING)
-    strict = opts.get("stricthostkeychecking", "yes" if _truthy(checking) else "no").lower()
-    known = tuple(os.path.expanduser(p) for p in opts.get("userknownhostsfile", "").split() if p)
-    key = var("ansible_ssh_private_key_file", "ansible_private_key_file",
-              default=C.DEFAULT_PRIVATE_KEY_FILE)
-    return Target(
-        name=host.name,
-        address=str(var("ansible_host", "ansible_ssh_host", default=host.name)),
-        port=int(var("ansible_port", "ansible_ssh_port", default=opts.get("port") or 22)),
-        user=str(var("ansible_user", "ansible_ssh_user", default=C.DEFAULT_REMOTE_USER or "root")),
-        key_file=os.path.expanduser(str(key)) if key else None,
-        known_hosts=known,
-        strict="no" if strict in ("no", "off", "false") else strict,
-        timeout=timeout,
-        become=_truthy(var("ansible_become", default=False)),
-    )
+    return [_host_target(host, manager, loader, timeout, name) for host in hosts]
 
 
 @dataclass(frozen=True)
@@ -172,55 +159,76 @@ def load_routers(inventory: str | list[str], *, timeout: float = 10.0) -> list[R
     from ansible.template import Templar
 
     hosts, manager, loader, inv = _hosts(inventory, ROUTERS_GROUP)
+    name = inventory if isinstance(inventory, str) else ", ".join(inventory)
     routers = []
     for host in hosts:
         hv = manager.get_vars(host=host, include_hostvars=False)
         templar = Templar(loader=loader, variables=hv)
         members = []
-        for name in templar.template(hv.get("sglang_router_workers") or []):
-            worker = inv.get_host(name)
+        for worker_name in templar.template(hv.get("sglang_router_workers") or []):
+            worker = inv.get_host(worker_name)
             wv = manager.get_vars(host=worker, include_hostvars=False) if worker is not None else {}
-            address = wv.get("sglang_rotation_worker_address") or wv.get("ansible_host") or name
-            members.append((str(name), str(templar.template(address))))
+            address = wv.get("sglang_rotation_worker_address") or wv.get("ansible_host") or worker_name
+            members.append((str(worker_name), str(templar.template(address))))
         try:
             key = str(templar.template(hv.get("sglang_router_control_key") or ""))
         except Exception:  # a vaulted key without the vault password: the router answers 401, said so
             key = ""
-        routers.append(RouterTarget(_target(host, manager, loader, timeout),
-                                    int(templar.template(hv.get("sglang_router_port") or ROUTER_PORT)),
+        try:
+            port = int(templar.template(hv.get("sglang_router_port") or ROUTER_PORT))
+        except (TypeError, ValueError) as exc:
+            raise FleetError(f"inventory {name}: router {host.name}'s sglang_router_port: {exc}") from None
+        if not 1 <= port <= 65535:
+            raise FleetError(f"inventory {name}: router {host.name}'s sglang_router_port {port} "
+                             "is not a port")
+        routers.append(RouterTarget(_host_target(host, manager, loader, timeout, name), port,
                                     key, tuple(members)))
     return routers
+
+
+def _target(name: str, var: Any, timeout: float) -> Target:
+    """One host's connection facts, templated; ValueError names a bad one."""
+    from ansible import constants as C
+
+    opts = _ssh_options(var("ansible_ssh_common_args"), var("ansible_ssh_extra_args"))
+    checking = var("ansible_host_key_checking", "ansible_ssh_host_key_checking",
+                   default=C.HOST_KEY_CHECKING)
+    strict = opts.get("stricthostkeychecking", "yes" if _truthy(checking) else "no").lower()
+    known = tuple(os.path.expanduser(p) for p in opts.get("userknownhostsfile", "").split() if p)
+    key = var("ansible_ssh_private_key_file", "ansible_private_key_file",
+              default=C.DEFAULT_PRIVATE_KEY_FILE)
+    port = int(var("ansible_port", "ansible_ssh_port", default=opts.get("port") or 22))
+    if not 1 <= port <= 65535:
+        raise ValueError(f"ansible_port {port} is not a port")
+    return Target(
+        name=name,
+        address=str(var("ansible_host", "ansible_ssh_host", default=name)),
+        port=port,
+        user=str(var("ansible_user", "ansible_ssh_user", default=C.DEFAULT_REMOTE_USER or "root")),
+        key_file=os.path.expanduser(str(key)) if key else None,
+        known_hosts=known,
+        strict="no" if strict in ("no", "off", "false") else strict,
+        timeout=timeout,
+        become=_truthy(var("ansible_become", default=False)),
+    )
 
 
 # ---------------------------------------------------------------------------- SSH
 
 
-def _connect(t: Target) -> Any:
-    import paramiko
-
-    client = paramiko.SSHClient()
-    client.load_system_host_keys()
-    for path in t.known_hosts:
-        if os.path.exists(path):
-            client.load_host_keys(path)  # also where accept-new saves a first-seen key
-    if t.strict == "no":
-        client.set_missing_host_key_policy(paramiko.WarningPolicy())
-    elif t.strict == "accept-new":
-        client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
-    else:
-        client.set_missing_host_key_policy(paramiko.RejectPolicy())
-    client.connect(t.address, port=t.port, username=t.user, key_filename=t.key_file,
-                   timeout=t.timeout, banner_timeout=t.timeout, auth_timeout=t.timeout,
-                   look_for_keys=t.key_file is None, allow_agent=t.key_file is None)
-    if t.strict == "accept-new" and t.known_hosts:
-        client.save_host_keys(t.known_hosts[0])
-    return client
-
-
 def _why_unreachable(t: Target, exc: BaseException) -> str:
     import paramiko
 
+    from ddtree_runtime.ops.ssh_session import AnswerTooLarge, DeadlineExceeded, KeyFileError
+
     where = f"{t.user}@{t.address}:{t.port}"
+    if isinstance(exc, DeadlineExceeded):
+        return (f"{where}: timed out: no complete answer within {t.timeout:g} s (host silent, dripping or "
+                "overloaded; --timeout bounds the whole exchange)")
+    if isinstance(exc, AnswerTooLarge):
+        return f"{where}: {exc}: not an answer of ours"
+    if isinstance(exc, KeyFileError):
+        return f"{where}: {exc}"
     if isinstance(exc, paramiko.BadHostKeyException):
         return (f"{where}: host key CHANGED (expected {exc.expected_key.get_base64()[:16]}...): "
                 "if the host was rebuilt, remove its old key from known_hosts; otherwise do not connect")
@@ -229,7 +237,13 @@ def _why_unreachable(t: Target, exc: BaseException) -> str:
         return (f"{where}: host key unknown and StrictHostKeyChecking={t.strict}: "
                 f"check the key and add it to {files} (ssh-keyscan -p {t.port} {t.address})")
     if isinstance(exc, paramiko.AuthenticationException):
-        return f"{where}: authentication failed with key {t.key_file or '(agent/default keys)'}"
+        return f"{where}: authentication refused for key {t.key_file or '(agent/default keys)'}"
+    if isinstance(exc, paramiko.SSHException) and "banner" in str(exc).lower():
+        return (f"{where}: no SSH banner (the port answers but does not speak SSH: a wrong port, or an sshd "
+                "that is stuck)")
+    if isinstance(exc, EOFError | ConnectionResetError) or (
+            isinstance(exc, paramiko.SSHException) and "reset" in str(exc).lower()):
+        return f"{where}: the connection was closed during the SSH handshake"
     if isinstance(exc, socket.timeout | TimeoutError):
         return f"{where}: timed out after {t.timeout:g} s (host down or filtered?)"
     if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError):
@@ -242,20 +256,24 @@ def _why_unreachable(t: Target, exc: BaseException) -> str:
     return f"{where}: {type(exc).__name__}: {exc}"
 
 
+def open_client(t: Target) -> Any:
+    """A logged-in paramiko client for more than one command (e.g. SFTP); the caller closes it."""
+    from ddtree_runtime.ops import ssh_session
+
+    return ssh_session.connect(address=t.address, port=t.port, user=t.user, key_file=t.key_file,
+                               known_hosts=t.known_hosts, strict=t.strict, timeout=t.timeout)
+
+
 def run_remote(t: Target, command: str, stdin_text: str | None = None) -> tuple[int, str, str]:
-    """Run one command on the target; raises on connection problems."""
+    """Run one command on the target, the whole exchange within ``t.timeout`` seconds; raises on
+    connection problems and at the deadline (ssh_session.DeadlineExceeded)."""
+    from ddtree_runtime.ops import ssh_session
+
     if t.become and t.user != "root":
         command = f"sudo -n {command}"  # journal and unit state as root, never prompting
-    client = _connect(t)
-    try:
-        stdin, stdout, stderr = client.exec_command(command, timeout=max(t.timeout, 60))
-        if stdin_text is not None:
-            stdin.write(stdin_text)
-        stdin.channel.shutdown_write()
-        out, err = stdout.read().decode(errors="replace"), stderr.read().decode(errors="replace")
-        return stdout.channel.recv_exit_status(), out, err
-    finally:
-        client.close()
+    return ssh_session.run(address=t.address, port=t.port, user=t.user, key_file=t.key_file,
+                           known_hosts=t.known_hosts, strict=t.strict, command=command,
+                           stdin_text=stdin_text, deadline_s=t.timeout)
 
 
 # ---------------------------------------------------------------------------- status
@@ -284,23 +302,60 @@ class Row:
         return dict(self.__dict__)
 
 
-def rows_from_facts(host: str, facts: dict[str, Any], units: list[str]) -> list[Row]:
+def _as(kind: type | tuple[type, ...], value: Any) -> Any:
+    """The value when it has the type a row cell needs, else None (a host's answer is not trusted)."""
+    if isinstance(value, bool) and kind is not bool:
+        return None
+    if kind is float and isinstance(value, int | float):
+        return float(value) if value == value and abs(value) < 1e15 else None
+    if kind is str and isinstance(value, str):
+        return value[:200]
+    return value if isinstance(value, kind) else None
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _gpu_rows(value: Any) -> list[dict] | None:
+    if value is None or not isinstance(value, list):
+        return None
+    rows = []
+    for g in value[:64]:
+        g = _dict(g)
+        used, total = _as(float, g.get("memory_used_mib")), _as(float, g.get("memory_total_mib"))
+        if used is None or total is None:
+            continue
+        rows.append({"index": _as(int, g.get("index")), "name": _as(str, g.get("name")),
+                     "memory_used_mib": used, "memory_total_mib": total})
+    return rows
+
+
+def rows_from_facts(host: str, facts: Any, units: list[str]) -> list[Row]:
+    """The table's rows from one host's answer; fields of the wrong type become '-', and an answer
+    that is not the fact script's object is an error row for that host alone."""
+    if not isinstance(facts, dict) or not isinstance(facts.get("units", {}), dict):
+        shown = json.dumps(facts)[:80] if not isinstance(facts, str) else facts[:80]
+        error = f"malformed answer from the fact script: {shown}"
+        return [Row(host=host, unit=u, reachable=True, error=error) for u in units]
     rows = []
     for unit in units:
-        u = (facts.get("units") or {}).get(unit) or {}
-        sd, state, probe = u.get("systemd") or {}, u.get("state") or {}, u.get("probe") or {}
-        active = sd.get("active")
-        restarts = sd.get("restarts")
+        u = _dict(_dict(facts.get("units")).get(unit))
+        sd, state, probe = _dict(u.get("systemd")), _dict(u.get("state")), _dict(u.get("probe"))
+        active = _as(str, sd.get("active"))
+        restarts = _as(int, sd.get("restarts"))
+        sub = _as(str, sd.get("sub"))
         if sd.get("loaded") == "not-found":
             active, restarts = "not-installed", None
-        elif sd.get("sub") and sd["sub"] != active and active not in (None, "unknown"):
-            active = f"{active} ({sd['sub']})"
+        elif sub and sub != active and active not in (None, "unknown"):
+            active = f"{active} ({sub})"
         rows.append(Row(
-            host=host, unit=unit, reachable=True, active=active, uptime_seconds=sd.get("uptime_seconds"),
-            restarts=restarts, profile=state.get("profile"), release=state.get("release"),
-            deployed_at=state.get("deployed_at"), probe_ok=probe.get("ok"), probe_cause=probe.get("cause"),
-            probe_time=probe.get("time"), accept_length=probe.get("accept_length"),
-            gpu_memory=facts.get("gpus"),
+            host=host, unit=unit, reachable=True, active=active,
+            uptime_seconds=_as(float, sd.get("uptime_seconds")), restarts=restarts,
+            profile=_as(str, state.get("profile")), release=_as(str, state.get("release")),
+            deployed_at=_as(str, state.get("deployed_at")), probe_ok=_as(bool, probe.get("ok")),
+            probe_cause=_as(str, probe.get("cause")), probe_time=_as(float, probe.get("time")),
+            accept_length=_as(float, probe.get("accept_length")), gpu_memory=_gpu_rows(facts.get("gpus")),
         ))
     return rows
 
@@ -313,9 +368,9 @@ def host_status(t: Target, units: list[str]) -> list[Row]:
         return [Row(host=t.name, unit=u, reachable=False, error=_why_unreachable(t, exc)) for u in units]
     try:
         facts = json.loads(out)
-    except ValueError:
+    except (ValueError, RecursionError):
         reason = f"fact script failed (exit {rc}): {(err or out).strip().splitlines()[-1:] or ['no output']}"
-        return [Row(host=t.name, unit=u, reachable=True, error=reason) for u in units]
+        return [Row(host=t.name, unit=u, reachable=True, error=reason[:300]) for u in units]
     return rows_from_facts(t.name, facts, units)
 
 
@@ -365,7 +420,12 @@ def fleet_status(targets: list[Target], units: list[str], *, forks: int = 10,
         futures = {pool.submit(host_status, t, units): t for t in targets}
         for n, fut in enumerate(as_completed(futures), 1):
             t = futures[fut]
-            rows[t.name] = fut.result()
+            try:
+                rows[t.name] = fut.result()
+            except Exception as exc:  # one host's surprise stays in its own rows
+                rows[t.name] = [Row(host=t.name, unit=u, reachable=True,
+                                    error=f"could not read its answer: {type(exc).__name__}: {exc}"[:300])
+                                for u in units]
             if progress:
                 print(f"fleet: {t.name} answered ({n}/{len(targets)})", file=sys.stderr, flush=True)
     rotation = rotation_states(routers or [])
@@ -464,10 +524,14 @@ def diagnose_remote(args: argparse.Namespace) -> int:
     unit = (args.unit or LIVE_UNIT).removesuffix(".service")
     try:
         t = _one_target(args)
-        text = fetch_journal(t, unit, args.lines)
     except FleetError as exc:
         print(f"ddtree diagnose: {exc}", file=sys.stderr)
         return 2
+    try:
+        text = fetch_journal(t, unit, args.lines)
+    except FleetError as exc:
+        print(f"ddtree diagnose: {exc}", file=sys.stderr)
+        return 3
     except Exception as exc:
         print(f"ddtree diagnose: {args.host} unreachable: {_why_unreachable(t, exc)}", file=sys.stderr)
         return 3
@@ -477,6 +541,16 @@ def diagnose_remote(args: argparse.Namespace) -> int:
 def _run_diagnose(args: argparse.Namespace) -> int:
     """`ddtree diagnose`: over SSH with HOST, else diagnose.py's own local path."""
     return diagnose_remote(args) if args.host else diagnose.run_local(args)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"{text!r}: pass seconds in (0, 3600]")
+    return value
 
 
 def _default_inventory() -> str:
@@ -497,6 +571,10 @@ def _run_status(args: argparse.Namespace) -> int:
         print(f"ddtree fleet status: {exc}", file=sys.stderr)
         return 2
     units = [u.removesuffix(".service") for u in (args.unit or [LIVE_UNIT])]
+    bad = next((p for p in map(lambda u: unit_name("--unit", u), units) if p), None)
+    if bad or not 1 <= args.forks <= 64:
+        print(f"ddtree fleet status: {bad or f'--forks {args.forks}: pass 1..64'}", file=sys.stderr)
+        return 2
     progress = not args.json and sys.stderr.isatty()
     try:
         routers = load_routers(args.inventory, timeout=args.timeout)
@@ -515,15 +593,24 @@ def _run_status(args: argparse.Namespace) -> int:
 
 def _run_logs(args: argparse.Namespace) -> int:
     _inventories(args)
+    bad = unit_name("--unit", args.unit.removesuffix(".service"))
+    if bad or not 1 <= args.lines <= 100_000:
+        print(f"ddtree fleet logs: {bad or f'--lines {args.lines}: pass 1..100000'}", file=sys.stderr)
+        return 2
     try:
         t = _one_target(args)
-        sys.stdout.write(fetch_journal(t, args.unit.removesuffix(".service"), args.lines, args.since))
     except FleetError as exc:
         print(f"ddtree fleet logs: {exc}", file=sys.stderr)
         return 2
+    try:
+        text = fetch_journal(t, args.unit.removesuffix(".service"), args.lines, args.since)
+    except FleetError as exc:
+        print(f"ddtree fleet logs: {exc}", file=sys.stderr)
+        return 3
     except Exception as exc:
         print(f"ddtree fleet logs: {_why_unreachable(t, exc)}", file=sys.stderr)
         return 3
+    sys.stdout.write(text)
     return 0
 
 
@@ -540,7 +627,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     common.add_argument("-i", "--inventory", action="append", type=str,
                         help="Ansible inventory, repeatable like ansible-playbook's "
                              "(default $ANSIBLE_INVENTORY or inventories/production)")
-    common.add_argument("--timeout", type=float, default=10.0, help="SSH connect timeout per host (s)")
+    common.add_argument("--timeout", type=_seconds, default=10.0,
+                        help="seconds per host for the whole exchange: connect, log in, answer (default 10)")
     s = sub.add_parser("status", parents=[common], help="a row per host: unit, profile, probe, GPU")
     s.add_argument("-l", "--limit", help="Ansible host pattern, e.g. ct129 or 'gpu_hosts:!ct130'")
     s.add_argument("--unit", action="append", help=f"unit(s) to show (default {LIVE_UNIT}; repeatable)")

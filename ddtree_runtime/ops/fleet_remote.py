@@ -8,6 +8,7 @@ the host needs nothing of ours installed to answer.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -40,11 +41,15 @@ def unit_facts(unit: str) -> dict:
         return {"active": "unknown", "error": "systemctl show failed (no systemd?)"}
     f = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
     facts = {"loaded": f.get("LoadState"), "active": f.get("ActiveState"), "sub": f.get("SubState"),
-             "restarts": int(f.get("NRestarts") or 0), "uptime_seconds": None}
-    entered = int(f.get("ActiveEnterTimestampMonotonic") or 0)
+             "restarts": _int(f.get("NRestarts")), "uptime_seconds": None}
+    entered = _int(f.get("ActiveEnterTimestampMonotonic"))
     if f.get("ActiveState") == "active" and entered:
         facts["uptime_seconds"] = round(time.clock_gettime(time.CLOCK_MONOTONIC) - entered / 1e6, 1)
     return facts
+
+
+def _int(text: str | None) -> int:
+    return int(text) if text and text.isdigit() else 0
 
 
 def last_probe(unit: str) -> dict | None:
@@ -64,16 +69,21 @@ def gpus() -> list[dict] | None:
     if out is None:
         return []
     rows = []
-    for line in out.strip().splitlines():
-        idx, name, used, total = (p.strip() for p in line.split(","))
-        rows.append({"index": int(idx), "name": name, "memory_used_mib": int(used),
-                     "memory_total_mib": int(total)})
+    for line in out.strip().splitlines()[:64]:
+        try:
+            idx, name, used, total = (p.strip() for p in line.split(","))
+            rows.append({"index": int(idx), "name": name, "memory_used_mib": int(used),
+                         "memory_total_mib": int(total)})
+        except ValueError:  # "[N/A]" and other non-figures: that GPU's row stays out
+            continue
     return rows
 
 
 def main(units: list[str]) -> None:
     doc = {"hostname": socket.gethostname(), "time": time.time(), "gpus": gpus(), "units": {}}
     for unit in units:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,99}", unit) or ".." in unit:
+            continue  # never a path outside the state directories (the controller refuses such names)
         state = _json(STATE_ROOT / "state" / f"{unit}.json")
         doc["units"][unit] = {"systemd": unit_facts(unit), "state": state, "probe": last_probe(unit)}
     json.dump(doc, sys.stdout)

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from ddtree_runtime.deploy_inputs import InputError, split_launch_flags
 from ddtree_runtime.planner import gpus as gpu_facts
 from ddtree_runtime.planner.accounting import Plan, plan_memory
 from ddtree_runtime.planner.fixes import propose_changes
@@ -41,29 +44,36 @@ def load_profiles(path: str | Path | None = None) -> dict[str, Any]:
         raise PlanError(
             "reading profiles.yml needs PyYAML (pip install pyyaml); or pass --flags-json"
         ) from None
+    if not path.exists():
+        raise PlanError(f"{path} not found: pass --profiles FILE, or the flags with --flags-json")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise PlanError(f"{path} not found: pass --profiles FILE, or the flags with --flags-json") from None
-    profiles = (data or {}).get("sglang_service_profiles")
+        data = yaml.safe_load(_read(str(path)))
+    except yaml.YAMLError as exc:
+        raise PlanError(f"{path} is not YAML: {str(exc)[:120]}") from None
+    profiles = data.get("sglang_service_profiles") if isinstance(data, dict) else None
     if not isinstance(profiles, dict):
         raise PlanError(f"{path} has no sglang_service_profiles mapping")
     return profiles
 
 
 def parse_launch_flags(argv: list[str]) -> dict[str, Any]:
-    """``--name value`` / ``--name`` (boolean) pairs of an SGLang command line."""
+    """``--name value`` / ``--name`` (boolean) pairs of an SGLang command line; an item ``--name value``
+    (one word with a space, as ``sglang_extra_flags`` spells flags and the roles pass them) is the same."""
+    try:
+        words = split_launch_flags(argv, "launch flags")
+    except InputError as exc:
+        raise PlanError(f"cannot read {exc}") from None
     flags: dict[str, Any] = {}
     i = 0
-    while i < len(argv):
-        word = argv[i]
+    while i < len(words):
+        word = words[i]
         if not word.startswith("--"):
             raise PlanError(f"cannot read launch flag {word!r}: write them as SGLang does, --name value")
         name, eq, value = word[2:].partition("=")
         if eq:
             flags[name] = value
-        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            flags[name] = argv[i + 1]
+        elif i + 1 < len(words) and not words[i + 1].startswith("--"):
+            flags[name] = words[i + 1]
             i += 1
         else:
             flags[name] = True
@@ -74,14 +84,51 @@ def parse_launch_flags(argv: list[str]) -> dict[str, Any]:
 def _visible(text: str | None) -> list[int] | None:
     if text is None or str(text).strip() == "":
         return None
-    try:
-        return [int(x) for x in str(text).split(",") if x.strip() != ""]
-    except ValueError:
-        raise PlanError(f"visible devices must be GPU indices like 0,1 (got {text!r})") from None
+    ids = [x.strip() for x in str(text).split(",") if x.strip() != ""]
+    if len(ids) > gpu_facts.MAX_GPUS or not all(x.isdigit() and len(x) <= 2 for x in ids):
+        raise PlanError(f"visible devices must be GPU indices like 0,1 (got {str(text)[:60]!r})")
+    devices = [int(x) for x in ids]
+    if len(set(devices)) != len(devices):
+        raise PlanError(f"visible devices {text!r} name a GPU twice: two ranks cannot share one GPU")
+    return devices
+
+
+# Inputs are small documents (a `contract.py describe` table, nvidia-smi's CSV): a bigger one is a
+# mistake, and a FIFO or a device in a file's place must not hang the planner.
+MAX_INPUT_BYTES = 16 * 1024 * 1024
 
 
 def _read(source: str) -> str:
-    return sys.stdin.read() if source == "-" else Path(source).read_text(encoding="utf-8")
+    if source == "-":
+        raw = sys.stdin.buffer.read(MAX_INPUT_BYTES + 1)
+    else:
+        try:
+            fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK)
+        except OSError as exc:
+            raise PlanError(f"cannot read {source}: {exc.strerror or exc}") from None
+        with os.fdopen(fd, "rb") as fh:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise PlanError(f"{source} is not a regular file: save the input to a file, or pipe it "
+                                "to '-'")
+            raw = fh.read(MAX_INPUT_BYTES + 1)
+    if len(raw) > MAX_INPUT_BYTES:
+        raise PlanError(f"{source} holds more than {MAX_INPUT_BYTES >> 20} MiB: not an input the planner "
+                        "reads")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PlanError(f"{source} is not UTF-8 text (bad byte at offset {exc.start})") from None
+
+
+def _json(text: str, what: str, kind: type | tuple[type, ...]) -> Any:
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise PlanError(f"{what} is not JSON ({str(exc)[:80]})") from None
+    if not isinstance(doc, kind):
+        kinds = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise PlanError(f"{what} must be a JSON {kinds}, got {str(doc)[:60]!r}")
+    return doc
 
 
 def _gpus(args: argparse.Namespace, runs_on: dict[str, Any] | None) -> list[gpu_facts.GpuFacts]:
@@ -92,7 +139,7 @@ def _gpus(args: argparse.Namespace, runs_on: dict[str, Any] | None) -> list[gpu_
     if args.nvidia_smi_csv is not None:
         return gpu_facts.parse_nvidia_smi_csv(args.nvidia_smi_csv)
     if args.gpus_json:
-        return gpu_facts.from_declared(json.loads(args.gpus_json))
+        return gpu_facts.from_declared(_json(args.gpus_json, "--gpus-json", (list, dict)))
     if shutil.which("nvidia-smi"):
         out = subprocess.run(gpu_facts.NVIDIA_SMI_COMMAND, capture_output=True, text=True, timeout=60)
         if out.returncode != 0:
@@ -111,10 +158,7 @@ def _gpus(args: argparse.Namespace, runs_on: dict[str, Any] | None) -> list[gpu_
 
 def _models(args: argparse.Namespace) -> ModelPair:
     if args.models_json:
-        try:
-            return model_pair_from_description(json.loads(_read(args.models_json)))
-        except json.JSONDecodeError as exc:
-            raise PlanError(f"--models-json is not JSON ({exc.msg})") from None
+        return model_pair_from_description(_json(_read(args.models_json), "--models-json", dict))
     if not (args.model_path and args.draft_model_path):
         raise PlanError("give --model-path and --draft-model-path (or --models-json)")
     return load_model_pair(args.model_path, args.draft_model_path)
@@ -135,7 +179,7 @@ def _settings(
             raise PlanError(f"unknown profile {name!r}; profiles: {', '.join(profiles)}")
         flags.update(profiles[name].get("flags") or {})
     if flags_json:
-        flags.update(json.loads(flags_json))
+        flags.update(_json(flags_json, "the flags JSON", dict))
     flags.update(parse_launch_flags(extra))
     return from_flags(flags)
 
@@ -235,8 +279,12 @@ def _run(args: argparse.Namespace) -> int:
     except PlanError as exc:
         print(f"ddtree plan: {exc}", file=sys.stderr)
         return 2
-    except (OSError, json.JSONDecodeError) as exc:
+    except OSError as exc:
         print(f"ddtree plan: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError, RecursionError) as exc:
+        # The last line of defence: input the checks above did not foresee is still bad input, one line.
+        print(f"ddtree plan: bad input ({type(exc).__name__}: {str(exc)[:160]})", file=sys.stderr)
         return 2
     if args.json:
         doc = plan_to_dict(plan, changes)

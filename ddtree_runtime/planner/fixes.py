@@ -98,6 +98,26 @@ def _first_fit(
     return None
 
 
+def _largest_fit(
+    settings: ServeSettings,
+    low: int,
+    high: int,
+    flags_for: Callable[[int], dict[str, Any]],
+    replan: Callable[[ServeSettings], Plan | None],
+) -> tuple[dict[str, Any], Plan] | None:
+    """The largest n in [low, high] whose flags fit, by bisection: fewer requests, a smaller budget or a
+    shorter context never needs more memory, and a search stays a few plans long whatever the range."""
+    best = None
+    while low <= high:
+        mid = (low + high) // 2
+        hit = _first_fit(settings, [flags_for(mid)], replan)
+        if hit:
+            best, low = hit, mid + 1
+        else:
+            high = mid - 1
+    return best
+
+
 def _singles(
     settings: ServeSettings, plan: Plan, replan: Callable[[ServeSettings], Plan | None]
 ) -> Iterator[Change]:
@@ -107,13 +127,13 @@ def _singles(
     running = r.requested_running if r else settings.max_running_requests or 48
 
     # fewer running requests (and, when the profile pins it, a state cache sized to match)
-    candidates = []
-    for n in range(running - 1, 0, -1):
+    def fewer(n: int) -> dict[str, Any]:
         flags: dict[str, Any] = {"max-running-requests": n}
         if hybrid and settings.max_mamba_cache_size is not None and settings.max_mamba_cache_size > n * ratio:
             flags["max-mamba-cache-size"] = n * ratio
-        candidates.append(flags)
-    hit = _first_fit(settings, candidates, replan)
+        return flags
+
+    hit = _largest_fit(settings, 1, running - 1, fewer, replan)
     if hit:
         flags, result = hit
         text = f"max-running-requests {running} -> {flags['max-running-requests']}"
@@ -145,9 +165,7 @@ def _singles(
 
     # a smaller DDTree budget narrows the scratch rows (down to the drafter block)
     if r is not None and r.budget > 1:
-        hit = _first_fit(
-            settings, [{"speculative-ddtree-budget": b} for b in range(r.budget - 1, 0, -1)], replan
-        )
+        hit = _largest_fit(settings, 1, r.budget - 1, lambda b: {"speculative-ddtree-budget": b}, replan)
         if hit:
             yield Change(
                 hit[0],
@@ -167,7 +185,7 @@ def _singles(
     # a shorter context, when the pool holds less than one full request
     if plan.verdict.status == "smaller_context" and plan.verdict.max_context:
         top = max(1024, plan.verdict.max_context // 1024 * 1024)
-        hit = _first_fit(settings, [{"context-length": c} for c in range(top, 0, -1024)], replan)
+        hit = _largest_fit(settings, 1, top // 1024, lambda k: {"context-length": k * 1024}, replan)
         if hit:
             yield Change(
                 hit[0],

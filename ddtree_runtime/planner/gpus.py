@@ -33,7 +33,10 @@ KNOWN_GPUS: dict[str, tuple[str, int]] = {
     "a6000": ("NVIDIA RTX A6000", 49140),
     "l40s": ("NVIDIA L40S", 46068),
 }
-_SHORTHAND = re.compile(r"^\s*(\d+)\s*[x×*]\s*([A-Za-z0-9_.-]+)\s*$")
+_SHORTHAND = re.compile(r"^\s*(\d{1,3})\s*[x×*]\s*([A-Za-z0-9_.-]{1,40})\s*$")
+# A host with more GPUs, or a GPU with more memory (MiB), than these is a typo, not a host.
+MAX_GPUS = 64
+MAX_GPU_MIB = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -80,7 +83,10 @@ def parse_shorthand(text: str) -> list[GpuFacts]:
             )
         name, total = known
         idle = total - IDLE_RESERVED_MIB
-        out += [GpuFacts(len(out) + i, name, total, idle, "shorthand") for i in range(int(m.group(1)))]
+        count = int(m.group(1))
+        if not 1 <= count <= MAX_GPUS - len(out):
+            raise PlanError(f"cannot read GPUs {part.strip()!r}: 1..{MAX_GPUS} GPUs per host")
+        out += [GpuFacts(len(out) + i, name, total, idle, "shorthand") for i in range(count)]
     if not out:
         raise PlanError("no GPUs given")
     return out
@@ -89,14 +95,45 @@ def parse_shorthand(text: str) -> list[GpuFacts]:
 def _mib(text: str) -> int:
     value = text.strip().removesuffix("MiB").strip()
     try:
-        return int(float(value))
-    except ValueError:
-        raise PlanError(f"nvidia-smi gave a memory figure that is not a number: {text!r}") from None
+        mib = int(float(value))
+    except (ValueError, OverflowError):
+        raise PlanError(f"nvidia-smi gave a memory figure that is not a number: {text[:40]!r}") from None
+    if not 0 <= mib <= MAX_GPU_MIB:
+        raise PlanError(f"nvidia-smi gave an impossible memory figure: {text[:40]!r} MiB")
+    return mib
+
+
+def _index(text: str) -> int:
+    if not re.fullmatch(r"\s*\d{1,2}\s*", text) or int(text) >= MAX_GPUS:
+        raise PlanError(f"nvidia-smi gave a GPU index that is not one: {text[:40]!r} (0..{MAX_GPUS - 1})")
+    return int(text)
+
+
+def _checked(gpus: list[GpuFacts], where: str) -> list[GpuFacts]:
+    """One entry per GPU index, free <= total: anything else is not what a host reports."""
+    if len(gpus) > MAX_GPUS:
+        raise PlanError(f"{where} lists {len(gpus)} GPUs: a host has at most {MAX_GPUS}")
+    seen: set[int] = set()
+    for g in gpus:
+        if g.index in seen:
+            raise PlanError(f"{where} lists GPU {g.index} twice")
+        seen.add(g.index)
+        if g.total_mib < 1 or not 0 <= g.free_mib <= g.total_mib:
+            raise PlanError(f"{where}: GPU {g.index} has {g.free_mib} MiB free of {g.total_mib} MiB: "
+                            "free must be between 0 and the total")
+        if len(g.name) > 100:
+            raise PlanError(f"{where}: GPU {g.index}'s name is {len(g.name)} characters long")
+    return gpus
 
 
 def parse_nvidia_smi_csv(text: str) -> list[GpuFacts]:
     """Rows of ``nvidia-smi --query-gpu=index,name,memory.total,memory.free --format=csv[,...]``."""
-    rows = [r for r in csv.reader(io.StringIO(text), skipinitialspace=True) if any(c.strip() for c in r)]
+    try:
+        rows = [r for r in csv.reader(io.StringIO(text), skipinitialspace=True) if any(c.strip() for c in r)]
+    except csv.Error as exc:
+        raise PlanError(f"nvidia-smi output is not CSV: {exc}") from None
+    if len(rows) > MAX_GPUS + 1:
+        raise PlanError(f"nvidia-smi output has {len(rows)} rows: a host has at most {MAX_GPUS} GPUs")
     if not rows:
         raise PlanError("nvidia-smi printed no GPUs (is the driver loaded? `nvidia-smi -L` lists them)")
     columns = ["index", "name", "memory.total", "memory.free"]
@@ -113,14 +150,14 @@ def parse_nvidia_smi_csv(text: str) -> list[GpuFacts]:
         cell = dict(zip(columns, row, strict=False))
         out.append(
             GpuFacts(
-                index=int(cell["index"]),
+                index=_index(cell["index"]),
                 name=cell["name"].strip(),
                 total_mib=_mib(cell["memory.total"]),
                 free_mib=_mib(cell["memory.free"]),
                 source="nvidia-smi",
             )
         )
-    return sorted(out, key=lambda g: g.index)
+    return _checked(sorted(out, key=lambda g: g.index), "nvidia-smi")
 
 
 def from_declared(entries: Iterable[dict[str, Any]] | dict[str, Any]) -> list[GpuFacts]:
@@ -131,26 +168,37 @@ def from_declared(entries: Iterable[dict[str, Any]] | dict[str, Any]) -> list[Gp
     """
     if isinstance(entries, dict):
         entries = [entries]
+    if not isinstance(entries, list) or len(entries) > MAX_GPUS:
+        raise PlanError(f"ddtree_gpus must be a list of {{name, count, ...}} entries, got "
+                        f"{str(entries)[:60]!r}")
     out: list[GpuFacts] = []
     for entry in entries:
-        if not isinstance(entry, dict) or not entry.get("name"):
-            raise PlanError(f"ddtree_gpus entries need a name, got {entry!r}")
-        known = _known(str(entry["name"]))
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not entry["name"].strip():
+            raise PlanError(f"ddtree_gpus entries need a name, got {str(entry)[:60]!r}")
+        known = _known(entry["name"])
         total = entry.get("memory_total_mib") or (known[1] if known else None)
         if total is None:
             raise PlanError(
-                f"ddtree_gpus: {entry['name']!r} is not a GPU the planner knows; give memory_total_mib "
+                f"ddtree_gpus: {entry['name'][:40]!r} is not a GPU the planner knows; give memory_total_mib "
                 "(nvidia-smi's memory.total)"
             )
-        count = int(entry.get("count", 1))
-        free = int(entry.get("memory_free_mib", max(1, int(total) - IDLE_RESERVED_MIB)))
-        if count < 1 or int(total) < 1 or not 0 <= free <= int(total):
-            raise PlanError(f"ddtree_gpus: impossible entry {entry!r} (count >= 1, 0 <= free <= total)")
-        name = known[0] if known else str(entry["name"])
-        out += [GpuFacts(len(out) + i, name, int(total), free, "inventory") for i in range(count)]
+        count = _declared_int(entry, "count", entry.get("count", 1), 1, MAX_GPUS - len(out))
+        total = _declared_int(entry, "memory_total_mib", total, 1, MAX_GPU_MIB)
+        idle = max(1, total - IDLE_RESERVED_MIB)
+        free = _declared_int(entry, "memory_free_mib", entry.get("memory_free_mib", idle), 0, total)
+        name = known[0] if known else entry["name"]
+        out += [GpuFacts(len(out) + i, name, total, free, "inventory") for i in range(count)]
     if not out:
         raise PlanError("ddtree_gpus is empty")
-    return out
+    return _checked(out, "ddtree_gpus")
+
+
+def _declared_int(entry: dict[str, Any], key: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise PlanError(f"ddtree_gpus: {key} of {str(entry.get('name'))[:40]!r} must be a whole number in "
+                        f"{low}..{high} (count: GPUs of the host, at most {MAX_GPUS} in all; free <= total), "
+                        f"got {str(value)[:40]!r}")
+    return value
 
 
 def select(
@@ -164,6 +212,9 @@ def select(
     """The GPUs the server's TP ranks land on: rank r gets visible device base + r * step."""
     pool = gpus
     if visible is not None:
+        if len(set(visible)) != len(visible):
+            shown = ",".join(map(str, visible))
+            raise PlanError(f"CUDA_VISIBLE_DEVICES {shown} names a GPU twice: two ranks cannot share one GPU")
         by_index = {g.index: g for g in gpus}
         absent = [i for i in visible if i not in by_index]
         if absent:

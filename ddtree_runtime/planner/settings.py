@@ -126,27 +126,27 @@ def _as_int(flag: str, value: Any) -> int:
     return int(value)
 
 
+# The plausible range of each count (low, high): beyond it a flag is a typo or absurd, and the planner's
+# searches and tables would grow with it, so it is refused (exit 2) rather than planned.
+LIMITS = {
+    "tp_size": (1, 64), "context_length": (1, 1 << 26), "max_running_requests": (1, 1 << 16),
+    "budget": (1, 4096), "block_size": (2, 1024), "topk_cap": (1, 1 << 20), "cuda_graph_max_bs": (1, 4096),
+    "page_size": (1, 4096), "gpu_id_step": (1, 64), "base_gpu_id": (0, 63),
+    "max_mamba_cache_size": (0, 1 << 20), "chunked_prefill_size": (-1, 1 << 22),
+    "max_prefill_tokens": (1, 1 << 24),
+}  # fmt: skip
+
+
 def _check(s: ServeSettings) -> None:
     problems = []
-    if s.tp_size < 1:
-        problems.append(f"tp-size must be >= 1, got {s.tp_size}")
     if s.mem_fraction_static is not None and not 0 < s.mem_fraction_static < 1:
         problems.append(f"mem-fraction-static must be between 0 and 1, got {s.mem_fraction_static}")
-    for name in (
-        "context_length",
-        "max_running_requests",
-        "budget",
-        "block_size",
-        "topk_cap",
-        "cuda_graph_max_bs",
-        "page_size",
-        "gpu_id_step",
-    ):
+    if not 0 < s.mamba_full_memory_ratio <= 100:
+        problems.append(f"mamba-full-memory-ratio must be in (0, 100], got {s.mamba_full_memory_ratio}")
+    for name, (low, high) in LIMITS.items():
         value = getattr(s, name)
-        if value is not None and value < 1:
-            problems.append(f"{name.replace('_', '-')} must be >= 1, got {value}")
-    if s.max_mamba_cache_size is not None and s.max_mamba_cache_size < 0:
-        problems.append(f"max-mamba-cache-size must be >= 0, got {s.max_mamba_cache_size}")
+        if value is not None and not low <= value <= high:
+            problems.append(f"{name.replace('_', '-')} must be in {low}..{high}, got {value}")
     if s.mamba_ssm_dtype is not None and s.mamba_ssm_dtype not in DTYPE_BYTES:
         problems.append(f"mamba-ssm-dtype must be one of {', '.join(DTYPE_BYTES)}, got {s.mamba_ssm_dtype!r}")
     if s.radix_strategy not in ("auto", "no_buffer", "extra_buffer", "extra_buffer_lazy"):

@@ -182,9 +182,10 @@ def model_pair_from_description(doc: dict[str, Any]) -> ModelPair:
         target_doc, draft_doc = doc["target"], doc["draft"]
         target = _target(target_doc["path"], target_doc["config"], target_doc["tensors"])
         draft = _draft(draft_doc["path"], draft_doc["config"], draft_doc["tensors"], target)
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, AttributeError) as exc:
         raise PlanError(
-            f"malformed model description (missing {exc}): expected `contract.py describe` output"
+            f"malformed model description ({type(exc).__name__}: {str(exc)[:80]}): expected `contract.py "
+            "describe` output"
         ) from None
     except ContractError as exc:
         raise PlanError(str(exc)) from None
@@ -203,9 +204,21 @@ def _pick(cfg: dict[str, Any], root: dict[str, Any], name: str, default: Any = N
     return default if value is None else value
 
 
-def _positive_int(path: str, value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PlanError(f"{path}/config.json: {name} must be a positive integer, got {value!r}")
+# What a real checkpoint's config can plausibly hold: beyond these an input is absurd (and a range over it
+# would take all memory), so it is refused rather than planned.
+MAX_LAYERS = 4096
+MAX_WIDTH = 1 << 17  # hidden sizes, head dims, state dims
+MAX_HEADS = 4096
+MAX_BLOCK = 1024
+MAX_CONTEXT = 1 << 26
+MAX_TENSOR_DIM = 1 << 40
+MAX_CHECKPOINT_BYTES = 1 << 50
+
+
+def _positive_int(path: str, value: Any, name: str, high: int = MAX_WIDTH) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+        raise PlanError(f"{path}/config.json: {name} must be an integer in 1..{high}, got "
+                        f"{str(value)[:40]!r}")
     return value
 
 
@@ -228,13 +241,27 @@ def _weights(tensors: dict[str, Any], dtype: str, *, skip: tuple[str, ...] = ())
     sharded = replicated = skipped = 0
     skipped_names: set[str] = set()
     model_bytes = DTYPE_BYTES[dtype]
+    if not isinstance(tensors, dict):
+        raise PlanError(f"the tensor table is not a mapping of name -> {{dtype, shape}}: "
+                        f"{str(tensors)[:60]!r}")
+    total = 0
     for name, entry in tensors.items():
-        shape = [int(s) for s in entry["shape"]]
+        raw = entry.get("shape") if isinstance(entry, dict) else None
+        if (not isinstance(raw, list) or len(raw) > 8
+                or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_TENSOR_DIM
+                           for d in raw)):
+            raise PlanError(f"tensor {str(name)[:80]!r} has an impossible shape {str(raw)[:60]}: a list "
+                            "of at most 8 sizes, each 0 or more")
+        shape = list(raw)
         kind = str(entry["dtype"])
         numel = 1
         for s in shape:
             numel *= s
         size = numel * (model_bytes if kind in _SAFETENSORS_FLOAT else _SAFETENSORS_BYTES.get(kind, 1))
+        total += size
+        if total > MAX_CHECKPOINT_BYTES:
+            raise PlanError(f"the checkpoint's tensors add up to more than {MAX_CHECKPOINT_BYTES >> 40} TiB: "
+                            "not a model the planner can place")
         hit = next((s for s in skip if s in name), None)
         if hit is not None or "rotary_emb.inv_freq" in name:
             skipped += size
@@ -253,29 +280,31 @@ def _target(path: str, config: dict[str, Any], tensors: dict[str, Any]) -> Targe
     root_type = str(config.get("model_type") or model_type)
     archs = config.get("architectures") or []
     arch = str(archs[0]) if isinstance(archs, list) and archs else model_type
-    layers = _positive_int(where, _pick(text, config, "num_hidden_layers"), "num_hidden_layers")
+    layers = _positive_int(where, _pick(text, config, "num_hidden_layers"), "num_hidden_layers", MAX_LAYERS)
     hidden = _positive_int(where, _pick(text, config, "hidden_size"), "hidden_size")
-    heads = _positive_int(where, _pick(text, config, "num_attention_heads"), "num_attention_heads")
-    kv_heads = _positive_int(where, _pick(text, config, "num_key_value_heads", heads), "num_key_value_heads")
+    heads = _positive_int(where, _pick(text, config, "num_attention_heads"), "num_attention_heads", MAX_HEADS)
+    kv_heads = _positive_int(where, _pick(text, config, "num_key_value_heads", heads), "num_key_value_heads",
+                             MAX_HEADS)
     head_dim = _positive_int(where, _pick(text, config, "head_dim", hidden // heads), "head_dim")
     dtype = _dtype(text, config)
-    context = _pick(text, config, "max_position_embeddings", 32768)
+    context = _positive_int(where, _pick(text, config, "max_position_embeddings", 32768),
+                            "max_position_embeddings", MAX_CONTEXT)
 
     linear = None
     full = tuple(range(layers))
     gdn = any(t.startswith(g) for t in (model_type, root_type) for g in _GDN_MODEL_TYPES)
     if gdn:
         interval = _positive_int(
-            where, _pick(text, config, "full_attention_interval", 4), "full_attention_interval"
+            where, _pick(text, config, "full_attention_interval", 4), "full_attention_interval", MAX_LAYERS
         )
         full = tuple(i for i in range(layers) if (i + 1) % interval == 0)
         linear = LinearAttention(
             layers=tuple(i for i in range(layers) if (i + 1) % interval != 0),
             num_value_heads=_positive_int(
-                where, _pick(text, config, "linear_num_value_heads"), "linear_num_value_heads"
+                where, _pick(text, config, "linear_num_value_heads"), "linear_num_value_heads", MAX_HEADS
             ),
             num_key_heads=_positive_int(
-                where, _pick(text, config, "linear_num_key_heads"), "linear_num_key_heads"
+                where, _pick(text, config, "linear_num_key_heads"), "linear_num_key_heads", MAX_HEADS
             ),
             key_head_dim=_positive_int(
                 where, _pick(text, config, "linear_key_head_dim"), "linear_key_head_dim"
@@ -284,7 +313,7 @@ def _target(path: str, config: dict[str, Any], tensors: dict[str, Any]) -> Targe
                 where, _pick(text, config, "linear_value_head_dim"), "linear_value_head_dim"
             ),
             conv_kernel=_positive_int(
-                where, _pick(text, config, "linear_conv_kernel_dim", 4), "linear_conv_kernel_dim"
+                where, _pick(text, config, "linear_conv_kernel_dim", 4), "linear_conv_kernel_dim", 64
             ),
         )
     elif any(t.startswith(o) for t in (model_type, root_type) for o in _OTHER_RECURRENT) or any(
@@ -312,15 +341,17 @@ def _target(path: str, config: dict[str, Any], tensors: dict[str, Any]) -> Targe
         head_dim=head_dim,
         v_head_dim=head_dim,
         dtype=dtype,
-        context_length=int(context),
+        context_length=context,
         weights=_weights(tensors, dtype, skip=skip),
         linear=linear,
         config_ssm_dtype=str(ssm_dtype) if ssm_dtype else None,
         multimodal=vision is not None and "ConditionalGeneration" in arch,
         # adjust_mem_fraction_for_vlm reads vision_config.num_hidden_layers (24 when absent, as for
         # Qwen3.5's vision tower, which names it `depth`): the planner reads it the same way.
-        vision_layers=int((vision or {}).get("num_hidden_layers") or 24) if vision else 0,
-        vision_hidden=int((vision or {}).get("hidden_size") or 0),
+        vision_layers=_positive_int(where, vision.get("num_hidden_layers") or 24,
+                                    "vision_config.num_hidden_layers", MAX_LAYERS) if vision else 0,
+        vision_hidden=_positive_int(where, vision.get("hidden_size"), "vision_config.hidden_size")
+        if vision and vision.get("hidden_size") is not None else 0,
         vocab_size=_vocab_size(_pick(text, config, "vocab_size", 0)),
     )
 
@@ -330,18 +361,19 @@ def _vocab_size(value: Any) -> int:
 
 
 def _draft(path: str, config: dict[str, Any], tensors: dict[str, Any], target: TargetModel) -> DraftModel:
-    layers = _positive_int(path, config.get("num_hidden_layers"), "num_hidden_layers")
+    layers = _positive_int(path, config.get("num_hidden_layers"), "num_hidden_layers", MAX_LAYERS)
     hidden = _positive_int(path, config.get("hidden_size"), "hidden_size")
     heads = _positive_int(
-        path, config.get("num_attention_heads", config.get("num_key_value_heads")), "num_attention_heads"
+        path, config.get("num_attention_heads", config.get("num_key_value_heads")), "num_attention_heads",
+        MAX_HEADS,
     )
-    kv_heads = _positive_int(path, config.get("num_key_value_heads", heads), "num_key_value_heads")
+    kv_heads = _positive_int(path, config.get("num_key_value_heads", heads), "num_key_value_heads", MAX_HEADS)
     head_dim = _positive_int(path, config.get("head_dim", hidden // heads), "head_dim")
     dflash = config.get("dflash_config") if isinstance(config.get("dflash_config"), dict) else {}
     block = dflash.get("block_size", config.get("block_size"))
     if block is None:
         block = 16  # SGLang's DFLASH default when the draft config names none (with a warning)
-    block = _positive_int(path, block, "block_size")
+    block = _positive_int(path, block, "block_size", MAX_BLOCK)
     if dflash.get("target_layer_ids") is None:
         build_target_layer_ids(target.num_layers, layers)  # same refusal as the contract for tiny targets
     dtype = _dtype(config, config) if (config.get("dtype") or config.get("torch_dtype")) else target.dtype

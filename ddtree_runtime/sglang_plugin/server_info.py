@@ -9,6 +9,7 @@ falling back to the launch-time handshake before the scheduler has reported.
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from ddtree_runtime import __version__
@@ -22,9 +23,12 @@ ADD_SPECULATIVE = (
 GET_INTERNAL_STATE = "sglang.srt.managers.tokenizer_control_mixin.TokenizerControlMixin.get_internal_state"
 
 _latest_live: dict[str, Any] | None = None
+# One per server process that builds /server_info: the canary tells live from shadow by it, not by URL.
+INSTANCE_ID = uuid.uuid4().hex
 
 
 def add_to_server_info(result: dict[str, Any], server_args: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    result["ddtree_instance_id"] = INSTANCE_ID
     settings = resolved_settings(server_args)
     if settings is None:
         return result

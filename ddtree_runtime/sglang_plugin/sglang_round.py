@@ -151,6 +151,7 @@ class SGLangRoundModels:
         apply_dflash_verify_logits_adjustments(
             next_token_logits=logits, sampling_info=batch.sampling_info, draft_token_num=rows
         )
+        logits_output.next_token_logits = logits  # global ids, adjusted: what logprobs score
         hidden = logits_output.hidden_states
         logits_output.hidden_states = None  # consumed this round (the next forward reuses it)
         return logits, hidden

@@ -19,6 +19,12 @@ SPEC_NEED_HIDDEN_STATES = "sglang.srt.speculative.spec_utils.spec_need_hidden_st
 HANDLE_SPECULATIVE_DECODING = "sglang.srt.arg_groups.speculative_hook.handle_speculative_decoding"
 METRICS_REPORTER = "sglang.srt.managers.scheduler_components.metrics_reporter"
 CONV_WINDOW_DEDUP = "sglang.srt.mem_cache.memory_pool.conv_window_dedup_enabled"
+GRAMMAR_REQUEST = "sglang.srt.constrained.grammar_manager.GrammarManager.process_req_with_grammar"
+GRAMMAR_REFUSAL = (
+    "DDTREE tree decode does not serve grammar-constrained requests (json_schema, regex, ebnf, "
+    "structural_tag): the tree walk does not advance a grammar. Serve them from a DFLASH server or "
+    "DDTREE's chain case (--speculative-ddtree-topk-cap 1)."
+)
 # Any top-k above 1 selects SGLang's tree branch and dense conv scratch; DDTREE has no top-k of its
 # own (the tree's branching varies per node), so it states "a tree" with the smallest such value.
 TREE_TOPK = 2
@@ -88,9 +94,27 @@ def conv_window_dedup_hook(
     return original(is_npu, is_cpu, speculative_eagle_topk, is_kda)
 
 
+def _constrained(req: Any) -> bool:
+    params = req.sampling_params
+    return any(
+        getattr(params, name, None) is not None for name in ("json_schema", "regex", "ebnf", "structural_tag")
+    )
+
+
+def grammar_request_hook(original: Any, manager: Any, req: Any, *args: Any, **kwargs: Any) -> bool:
+    """grammar_manager.py ~148 ``process_req_with_grammar`` (AROUND): under DDTREE trees a constrained
+    request is finished with an error, as SGLang finishes one when no grammar backend runs; in the
+    batch it would raise in tree decode, and that ends the scheduler for every client."""
+    if _ddtree_verifies_trees() and _constrained(req):
+        req.set_finish_with_abort(GRAMMAR_REFUSAL)
+        return False
+    return original(manager, req, *args, **kwargs)
+
+
 def register_site_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(SPEC_NEED_HIDDEN_STATES, spec_need_hidden_states_hook, HookType.AROUND)
     HookRegistry.register(HANDLE_SPECULATIVE_DECODING, handle_speculative_decoding_hook, HookType.AROUND)
     HookRegistry.register(CONV_WINDOW_DEDUP, conv_window_dedup_hook, HookType.AROUND)
+    HookRegistry.register(GRAMMAR_REQUEST, grammar_request_hook, HookType.AROUND)

@@ -284,11 +284,11 @@ class DDTreeWorker(DFlashWorkerV2):
 
         from ddtree_runtime.sglang_plugin.tree_round import RoundConfig, run_tree_round
 
-        if batch.has_grammar or batch.return_logprob:
-            # Not refusable at start (per request); fail the batch with the reason.
+        if batch.has_grammar:
+            # Not refusable at start (per request). NB: SGLang's scheduler does not survive this.
             raise RuntimeError(
-                "DDTREE tree decode does not support grammar-constrained or return_logprob requests "
-                "yet; serve them with the chain case or --speculative-algorithm DFLASH."
+                "DDTREE tree decode does not support grammar-constrained requests yet; serve them "
+                "with the chain case or --speculative-algorithm DFLASH."
             )
         draft_input = batch.spec_info
         settings = self.ddtree_settings
@@ -327,6 +327,8 @@ class DDTreeWorker(DFlashWorkerV2):
             bonus_tokens=result.bonus_tokens, new_seq_lens=result.new_seq_lens
         )
         target_out = getattr(models, "last_target_out", None)
+        if batch.return_logprob:
+            add_tree_logprobs(batch, target_out.logits_output, result.out_tokens, result.accept.accept_index)
         return GenerationBatchResult(
             logits_output=getattr(target_out, "logits_output", None),
             next_token_ids=result.out_tokens.reshape(-1),
@@ -350,6 +352,21 @@ class DDTreeWorker(DFlashWorkerV2):
     def _observe_hidden(self, hidden: Any) -> None:
         self._ddtree_handshake.observe(hidden)
         self._publish(self._ddtree_handshake.to_dict())
+
+
+def add_tree_logprobs(batch: Any, logits_output: Any, out_tokens: Any, accept_index: Any) -> None:
+    """SGLang's own speculative logprobs (``logprob_processor.compute_spec_logprobs``, its EAGLE-tree
+    mode) for the tokens a tree round emitted: emitted token k of a request was decided at verify row
+    ``accept_index[r, k]`` (-1 padded), so each is scored by that row's target logits, as the plain
+    server scores a decoded token. Without it a ``return_logprob`` request past its prefill raised
+    here, and the exception ended SGLang's scheduler."""
+    from sglang.srt.layers.logprob_processor import compute_spec_logprobs
+
+    rows = logits_output.next_token_logits.shape[0]
+    predict = torch.zeros(rows, dtype=torch.long, device=out_tokens.device)
+    valid = accept_index >= 0
+    predict[accept_index[valid]] = out_tokens[valid].long()
+    compute_spec_logprobs(batch, logits_output, predict, accept_index=accept_index)
 
 
 def round_input(batch: Any, bonus_tokens: Any) -> Any:

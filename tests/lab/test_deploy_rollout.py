@@ -1,6 +1,8 @@
 """deploy.yml end to end against real lab hosts: fresh deploy, no-op rerun, --check --diff, profile
 switch, and every failure the gate must stop (lab faults, mismatched drafter, port taken, unknown
-profile, a host going down) with the previous service left running byte-identical.
+profile, a host going down) with the previous service left running byte-identical. A verify that is not
+lossless is rolled back on the real server (tests/lab/test_real_sglang_lab.py, relaxed_accept; the lab
+engine's switch is named by the probe in tests/unit/test_probe_lab.py).
 
 One lab for the whole module (the session's `lab` fixture), one release venv installed per host:
 the package sources are frozen at the start so every run deploys the same release. Tests run in
@@ -168,6 +170,9 @@ def test_fresh_deploy_serves_at_the_hosts_address(rollout):
         assert rollout.ssh(f"systemctl is-active {UNIT}", host).strip() == "active"
         probe = json.loads(rollout.ssh(f"cat /var/lib/ddtree/probe/{UNIT}.json", host))
         assert probe["ok"] is True and probe["handshake"]["status"] == "ok"
+        checked = probe["figures"]["lossless"]  # every emitted token the target's own (hybrid ct130 too)
+        assert checked["status"] == "passed"
+        assert checked["tokens_checked"] == probe["figures"]["completion_tokens"]
         state = json.loads(rollout.ssh(f"cat /var/lib/ddtree/state/{UNIT}.json", host))
         assert state["profile"] == "balanced" and state["port"] == 30000
         answer = rollout.generate(host)  # from the controller, at the host's own address

@@ -55,7 +55,7 @@ def release(host: fleet.Target, tmp_path: Path) -> Iterator[str]:
     tag = uuid.uuid4().hex[:6]
     rel = f"/opt/ddtree/releases/ft-exporter-{tag}"
     wheel = _wheel(tmp_path)
-    client = fleet._connect(host)
+    client = fleet.open_client(host)
     try:
         _sh(host, f"mkdir -p {rel} && python3 -m venv {rel}")
         with client.open_sftp() as sftp:
@@ -152,7 +152,7 @@ def test_exporter_role_refuses_bad_variables_before_any_change(lab, host: fleet.
     res = _playbook(lab, "-l", host.name, "-e", '{"ddtree_exporter_port": 70000, '
                     '"ddtree_exporter_release_dir": "/nonexistent"}')
     assert res.returncode != 0
-    assert "ddtree_exporter_port must be 1-65535 (got 70000)" in res.stdout
+    assert "ddtree_exporter_port: 70000 is out of range: 1..65535" in res.stdout
     assert "FileNotFoundError" not in res.stdout
     _, out, _ = fleet.run_remote(host, "test -e /etc/systemd/system/ddtree-exporter.service; echo $?")
     assert out.strip() == "1"

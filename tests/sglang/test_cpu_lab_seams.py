@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 import os
 import subprocess
 import sys
@@ -123,3 +124,45 @@ def test_an_unknown_fault_switch_refuses_to_start():
     proc = _python("print('started')", DDTREE_SGLANG_CPU_LAB="1", DDTREE_LAB_FAULT="slow_start")
     assert proc.returncode != 0 and "started" not in proc.stdout
     assert "DDTREE_LAB_FAULT='slow_start'" in proc.stderr and "capture_predicate" in proc.stderr
+
+
+def test_the_verify_faults_patch_the_plugins_round(monkeypatch):
+    """relaxed_accept and verify_causal_mask replace what run_tree_round calls (restored after the test);
+    the lab hosts' lossless probe sees the first (tests/lab/test_real_sglang_lab.py)."""
+    faults = importlib.import_module("ddtree_sglang_cpu_lab.faults")
+    from ddtree_runtime.sglang_plugin import tree_round
+
+    monkeypatch.setattr(tree_round, "plan_tree_verify", tree_round.plan_tree_verify)
+    monkeypatch.setattr(tree_round, "walk_round", tree_round.walk_round)
+    draft_logits = torch.randn(2, 3, 12, generator=torch.Generator().manual_seed(0))
+    roots, prefix, budget = torch.tensor([1, 2]), torch.tensor([5, 3]), 6
+    honest = tree_round.plan_tree_verify(draft_logits, roots, prefix, budget)
+
+    faults._verify_causally(tree_round)
+    causal = tree_round.plan_tree_verify(draft_logits, roots, prefix, budget)
+    rows = budget + 1
+    offset = 0
+    for p in prefix.tolist():
+        size = rows * (p + rows)
+        tree = torch.ones(rows, rows).tril().bool()
+        want = torch.cat([torch.ones(rows, p, dtype=torch.bool), tree], dim=1)
+        assert torch.equal(causal.custom_mask[offset: offset + size].view(rows, -1), want)
+        assert not torch.equal(honest.custom_mask[offset: offset + size], causal.custom_mask[offset:][:size])
+        offset += size
+    assert torch.equal(causal.draft_token, honest.draft_token)
+    assert torch.equal(causal.positions, honest.positions)
+
+    # The root's first drafted child, which the target ranks second (p 0.3): only the relaxed walk takes it.
+    child = int((honest.tree.parents[0, 1:] == 0).nonzero()[0]) + 1
+    token = int(honest.tree.tokens[0, child - 1])
+    drafted = set(honest.tree.tokens[0][honest.tree.parents[0, 1:] == 0].tolist())
+    top1 = min(set(range(12)) - drafted)  # the target's first choice at the root: not drafted
+    logits = torch.full((2, rows, 12), -30.0)
+    logits[:, :, top1] = 0.0
+    logits[0, 0, token] = math.log(0.3 / 0.7)
+    honest_walk = tree_round.walk_round(honest, logits.reshape(2 * rows, 12), None)
+    faults._walk_relaxed(tree_round)
+    relaxed_walk = tree_round.walk_round(honest, logits.reshape(2 * rows, 12), None)
+    assert int(honest_walk.num_accepted[0]) == 1 and int(honest_walk.emitted[0, 0]) != token
+    assert int(relaxed_walk.num_accepted[0]) >= 2 and int(relaxed_walk.emitted[0, 0]) == token
+    assert torch.equal(relaxed_walk.emitted[1], honest_walk.emitted[1])  # nothing relaxed there

@@ -6,7 +6,8 @@ flags, ct131's CPU flags and environment, the lab-only CPU layer). In order, one
 1. the same server without speculation: the greedy reference for every prompt, samples at T = 1, 0.5;
 2. DDTREE (budget 16: trees, not chains): the plugin's worker in SGLang's scheduler, tree-masked
    verify, walk, KV commit, drafter context by node index; token-identical to (1) for a batch and
-   for requests joining a running batch; the handshake in /server_info and /metrics; the live probe;
+   for requests joining a running batch; the handshake in /server_info and /metrics; the live probe
+   with its lossless check (the target's own prefill agrees with every emitted token);
    at T = 1 the tokens its sampling walk emits follow (1)'s distribution (a chi-square test on 600
    samples, which tells (1) at T = 0.5 from T = 1 and caught a walk sampling at 0.7 x T);
 3. DDTREE on a pair made to agree (`_agreeing_pair`): every round accepts its tree's whole depth;
@@ -65,8 +66,9 @@ def models() -> Path:
 
 def sample(server: RealServer, temperature: float) -> list[list[int]]:
     """SAMPLES answers to SAMPLE_PROMPT at this temperature, in one batch (ids, EOS ignored)."""
-    answers = server.generate([SAMPLE_PROMPT] * SAMPLES, SAMPLE_TOKENS, temperature=temperature,
-                              ignore_eos=True)
+    answers = server.generate(
+        [SAMPLE_PROMPT] * SAMPLES, SAMPLE_TOKENS, temperature=temperature, ignore_eos=True
+    )
     return [a["output_ids"] for a in answers]
 
 
@@ -79,8 +81,9 @@ def plain(models: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
         started = time.monotonic()
         greedy = {p: server.generate(p, 2 * NEW_TOKENS)["output_ids"] for p in PROMPTS}
         samples = {t: sample(server, t) for t in (1.0, 0.5)}
+        logprobs = logprob_answer(server)
         report("plain_reference", ready_seconds=ready, generate_seconds=round(time.monotonic() - started, 1))
-    return {"greedy": greedy, "samples": samples}
+    return {"greedy": greedy, "samples": samples, "logprobs": logprobs}
 
 
 @pytest.fixture(scope="module")
@@ -144,8 +147,11 @@ def test_server_info_and_metrics_carry_the_handshake(ddtree):
     assert hs["status"] == "ok", hs
     assert hs["expected_hidden_width"] == hs["observed_hidden_width"] == hs["draft_fc_in_features"] == 128
     metrics = ddtree.metrics()
-    gauges = {line.split("{")[0].split(" ")[0]: float(line.rsplit(" ", 1)[1])
-              for line in metrics.splitlines() if line.startswith("sglang:") and " " in line}
+    gauges = {
+        line.split("{")[0].split(" ")[0]: float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("sglang:") and " " in line
+    }
     assert gauges["sglang:ddtree_expected_hidden_width"] == 128
     assert gauges["sglang:ddtree_observed_hidden_width"] == 128
     assert gauges["sglang:ddtree_budget"] == BUDGET
@@ -155,14 +161,30 @@ def test_server_info_and_metrics_carry_the_handshake(ddtree):
 def test_live_probe_passes_with_the_handshake(ddtree):
     from ddtree_runtime.probe import live_probe
 
-    probe = live_probe(ddtree.url, timeout=60, min_accept_length=1.2,
-                       expect={"speculative_ddtree_budget": str(BUDGET)})
+    started = time.monotonic()
+    probe = live_probe(
+        ddtree.url, timeout=60, min_accept_length=1.2, expect={"speculative_ddtree_budget": str(BUDGET)}
+    )
+    took = round(time.monotonic() - started, 3)
     assert probe.ok, probe.to_dict()
     assert probe.handshake["status"] == "ok"
-    report("live_probe", handshake=probe.handshake["status"],
-           expected_hidden_width=probe.figures["expected_hidden_width"],
-           observed_hidden_width=probe.figures["observed_hidden_width"],
-           accept_length=probe.figures["accept_length"])
+    # Lossless: every emitted token is the target's own choice in a prefill of prompt + answer (a prefill
+    # runs DFlash's extend path, which returns SGLang's input logprobs; a decode with them would not).
+    checked = probe.figures["lossless"]
+    assert (checked["status"], checked["mismatches"]) == ("passed", 0), checked
+    assert checked["tokens_checked"] == probe.figures["completion_tokens"] > 0
+    assert ddtree.request("/health")[0] == 200  # the check request left the scheduler serving
+    report(
+        "live_probe",
+        handshake=probe.handshake["status"],
+        expected_hidden_width=probe.figures["expected_hidden_width"],
+        observed_hidden_width=probe.figures["observed_hidden_width"],
+        accept_length=probe.figures["accept_length"],
+        lossless_tokens=checked["tokens_checked"],
+        near_ties=checked["near_ties"],
+        lossless_seconds=checked["seconds"],
+        probe_seconds=took,
+    )
 
 
 def test_sampling_at_t_above_zero_follows_the_plain_servers_distribution(ddtree, plain):
@@ -175,12 +197,59 @@ def test_sampling_at_t_above_zero_follows_the_plain_servers_distribution(ddtree,
     for pos in range(1, SAMPLE_TOKENS):
         p = homogeneity_p_value([ids[pos] for ids in tree], [ids[pos] for ids in at_1])
         figures[f"p_token_{pos}"] = round(p, 5)
-        assert p > P_FLOOR, (pos, Counter(ids[pos] for ids in tree).most_common(8),
-                             Counter(ids[pos] for ids in at_1).most_common(8))
+        assert p > P_FLOOR, (
+            pos,
+            Counter(ids[pos] for ids in tree).most_common(8),
+            Counter(ids[pos] for ids in at_1).most_common(8),
+        )
     shifted = homogeneity_p_value([ids[1] for ids in at_half], [ids[1] for ids in at_1])
     assert shifted < P_FLOOR, f"the test cannot tell T = 0.5 from T = 1 (p = {shifted})"
-    report("ddtree_sampling_t1", samples=SAMPLES, seconds=round(time.monotonic() - started, 1),
-           p_plain_t05_vs_t1=shifted, **figures)
+    report(
+        "ddtree_sampling_t1",
+        samples=SAMPLES,
+        seconds=round(time.monotonic() - started, 1),
+        p_plain_t05_vs_t1=shifted,
+        **figures,
+    )
+
+
+def logprob_answer(server: RealServer) -> dict:
+    """A greedy request that decodes past its prefill asking for its tokens' logprobs (top 2)."""
+    payload = {"text": PROMPTS[1], "sampling_params": {"temperature": 0, "max_new_tokens": 24},
+               "return_logprob": True, "top_logprobs_num": 2}  # fmt: skip
+    status, doc = server.request("/generate", payload)
+    assert status == 200, f"/generate HTTP {status}: {doc}"
+    return doc
+
+
+def test_logprob_requests_decode_and_score_each_token_as_the_plain_server(ddtree, plain):
+    """Tree decode used to raise on ``return_logprob``, and the exception ended SGLang's scheduler
+    (one client request took the server down). The tokens' logprobs now come from the verify rows
+    that decided them, as SGLang's EAGLE trees score theirs."""
+    got, want = logprob_answer(ddtree), plain["logprobs"]
+    assert got["output_ids"] == want["output_ids"]
+    got_lp, want_lp = got["meta_info"]["output_token_logprobs"], want["meta_info"]["output_token_logprobs"]
+    assert [t for _, t, *_ in got_lp] == [t for _, t, *_ in want_lp] == got["output_ids"]
+    gaps = [abs(a[0] - b[0]) for a, b in zip(got_lp, want_lp, strict=True)]
+    assert max(gaps) < 0.05, gaps  # bf16 verify rows against plain decode steps
+    tops = got["meta_info"]["output_top_logprobs"]
+    assert len(tops) == 24 and all(
+        len(t) == 2 and t[0][1] == i for t, i in zip(tops, got["output_ids"], strict=True)
+    )
+    assert ddtree.request("/health_generate")[0] == 200  # the scheduler is alive
+    report("ddtree_logprobs", tokens=len(gaps), max_gap=round(max(gaps), 5))
+
+
+def test_a_grammar_request_is_refused_with_the_reason_and_the_server_serves_on(ddtree):
+    """In a tree batch it raised in tree decode, and the exception ended the scheduler."""
+    payload = {
+        "text": PROMPTS[1],
+        "sampling_params": {"temperature": 0, "max_new_tokens": 8, "regex": "(cat|dog)+"},
+    }
+    status, doc = ddtree.request("/generate", payload)
+    assert "grammar-constrained" in json.dumps(doc), (status, doc)
+    assert ddtree.generate(PROMPTS[1], 8)["meta_info"]["completion_tokens"] == 8  # the scheduler lives
+    report("ddtree_grammar_refused", status=status)
 
 
 def test_sampling_and_chat_answer(ddtree):
@@ -219,8 +288,9 @@ def test_a_drafter_that_agrees_gets_whole_trees_accepted(models, tmp_path_factor
 LEAK_WORDS = ("memory leak detected", "double free", "use-after-free")
 
 
-def test_page_size_16_is_token_identical_and_keeps_the_pools_consistent(models, tmp_path_factory, reference,
-                                                                         ddtree):
+def test_page_size_16_is_token_identical_and_keeps_the_pools_consistent(
+    models, tmp_path_factory, reference, ddtree
+):
     """Paged KV (16 slots a page): a slot's page is fixed by its position, so the commit moves the
     accepted rows' K/V (``move_kv_cache``) instead of permuting slots. Greedy output stays the plain
     server's over six pages (it did not with the move skipped), and SGLang's own idle check of every
@@ -228,8 +298,9 @@ def test_page_size_16_is_token_identical_and_keeps_the_pools_consistent(models, 
     ddtree.stop()  # one real server at a time
     root = tmp_path_factory.mktemp("paged")
     env = {"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"}
-    with RealServer(models / "target", models / "draft", log_dir=root, extra=["--page-size", "16"],
-                    env=env) as server:
+    with RealServer(
+        models / "target", models / "draft", log_dir=root, extra=["--page-size", "16"], env=env
+    ) as server:
         ready = server.wait_ready()
         status, info = server.request("/server_info")
         assert status == 200 and info["page_size"] == 16

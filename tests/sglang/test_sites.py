@@ -174,6 +174,45 @@ def test_target_captures_the_drafters_layers_for_ddtree(published_ddtree, sglang
     plain = CustomSpecAlgo("PLAIN", factory=lambda _: None)
     assert _capture_config(published_ddtree, plain).dflash_use_aux_hidden_state is False
     # the drafter's own runner does not capture
-    assert _capture_config(
-        published_ddtree, sglang_plugins.from_string("DDTREE"), is_draft_worker=True
-    ).dflash_use_aux_hidden_state is False
+    assert (
+        _capture_config(
+            published_ddtree, sglang_plugins.from_string("DDTREE"), is_draft_worker=True
+        ).dflash_use_aux_hidden_state
+        is False
+    )
+
+
+def test_grammar_requests_are_finished_with_the_reason_under_trees_and_reach_sglang_otherwise(
+    published_ddtree,
+):
+    """A grammar-constrained request in a tree batch raised in tree decode, which ends the scheduler;
+    SGLang's own GrammarManager now finishes it with an error instead, as it does without a backend."""
+    import inspect
+    from types import SimpleNamespace
+
+    from sglang.srt.constrained.grammar_manager import GrammarManager
+
+    from ddtree_runtime.sglang_plugin.sites import GRAMMAR_REFUSAL
+
+    assert getattr(GrammarManager.process_req_with_grammar, "__wrapped__", None)  # the hook is applied
+    source = inspect.getsource(inspect.unwrap(GrammarManager.process_req_with_grammar))
+    assert (
+        "req.set_finish_with_abort(error_msg)" in source and "req.sampling_params.regex is not None" in source
+    )
+    manager = object.__new__(GrammarManager)
+    manager.grammar_backend = None  # SGLang's own "no backend" refusal, if a request got through
+
+    def request(**constraint):
+        params = {"json_schema": None, "regex": None, "ebnf": None, "structural_tag": None, **constraint}
+        req = SimpleNamespace(sampling_params=SimpleNamespace(**params), aborted=[])
+        req.set_finish_with_abort = req.aborted.append
+        return req
+
+    constrained = request(regex="(cat|dog)+")
+    assert manager.process_req_with_grammar(constrained) is False
+    assert constrained.aborted == [GRAMMAR_REFUSAL]  # ours, not SGLang's --grammar-backend none message
+    from ddtree_runtime.sglang_plugin.sites import grammar_request_hook
+
+    free = request()
+    assert grammar_request_hook(lambda m, r: "sglang's own", manager, free) == "sglang's own"
+    assert free.aborted == []

@@ -45,6 +45,21 @@ def lab_models(kind: str = "dense") -> Path:
     return root
 
 
+def contrary_drafter(models: Path, out: Path) -> Path:
+    """The lab drafter with its final norm negated: its logits are the negation of what it learnt, so it
+    proposes the tokens it finds least likely and the target accepts almost none (acceptance ~1). Same
+    config and widths: the handshake still agrees."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(models / "draft", out, dirs_exist_ok=True)
+    weights = load_file(str(out / "model.safetensors"))
+    weights["norm.weight"] = -weights["norm.weight"]
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 @contextmanager
 def one_thread() -> Iterator[None]:
     """The lab models are tiny: one torch thread is faster, and on a shared CPU much faster."""

@@ -30,6 +30,8 @@ LINES = {
     "Expected shape [N, 25600] (fc.in_features), but got [N, 5120].",
     "hidden_states_missing": "sglang[1]: RuntimeError: DFLASH verify requires target hidden states, "
     "but got None.",
+    # the periodic probe's own journal (ddtree-probe@UNIT.service) when its lossless check fails
+    "verify_not_lossless": "ddtree[812]: live probe: FAIL [verify_not_lossless] (exit 1)",
     "port_in_use": "sglang[1]: OSError: [Errno 98] error while attempting to bind on address "
     "('0.0.0.0', 30000): address already in use",
     "plugin_not_registered": "sglang[1]: ValueError: Unknown speculative algorithm name: DDTREE",
@@ -125,7 +127,8 @@ def test_every_cause_has_a_runbook_section():
     sections = set(re.findall(r"^### (\S+)$", runbook, flags=re.M))
     assert set(CAUSES) <= sections, set(CAUSES) - sections
     for probe_cause in ("unreachable", "not_ready", "generation_failed", "empty_answer", "flags_mismatch",
-                        "handshake_pending", "acceptance_low", "server_info_unavailable"):
+                        "handshake_pending", "acceptance_low", "server_info_unavailable",
+                        "verify_not_lossless"):
         assert f"| `{probe_cause}` |" in runbook
 
 

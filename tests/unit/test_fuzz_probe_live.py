@@ -25,8 +25,9 @@ from tests.unit.fake_sglang import SERVER_INFO
 from tests.unit.hostile_http import HostileServer, close, drip, endless, hang, raw, reset, respond
 
 TIMEOUT, REQUEST_TIMEOUT = 1.0, 0.5
-# One prompt: /health_generate, /generate, /server_info and maybe /metrics, each within its deadline.
-BOUND_S = TIMEOUT + 3 * REQUEST_TIMEOUT + 1.5
+# One prompt: /health_generate, /tokenize, /generate, the lossless check, /server_info and maybe /metrics,
+# each within its deadline.
+BOUND_S = TIMEOUT + 5 * REQUEST_TIMEOUT + 1.5
 PASS = "PASS"
 
 
@@ -159,6 +160,12 @@ DEFECTS: dict[str, Any] = {
     "server_info: a list": _raw_info(INFO, b"[1, 2]"),
     "server_info: nested": _raw_info(INFO, NESTED),
     "server_info: 5000-digit int": _raw_info(INFO, HUGE_INT),
+    # the lossless check's endpoints: /tokenize, then the batched check request on /generate
+    "tokenize: hangs": _transport("/tokenize", hang, {"request_timeout"}),
+    "tokenize: SSH banner": _transport("/tokenize", SSH, {"bad_response"}),
+    "tokenize: resets": _transport("/tokenize", reset, {"connection_lost"}),
+    "check: one object for a batch": _transport(
+        "/tokenize", respond(200, {"tokens": [[1, 2, 3]], "count": [3]}), {"bad_response"}),
     "metrics: hangs": _transport("/metrics", hang, {"acceptance_low"}),
     "metrics: garbage": _transport("/metrics", BINARY, {"acceptance_low"}),
     "dies after the health check": _dies_after(1, GEN),
@@ -224,6 +231,8 @@ DEFECTS: dict[str, Any] = {
 # Odd but legitimate answers: the probe must still pass.
 HARMLESS: dict[str, Any] = {
     "output_ids not a list": _doc(PASS, output_ids="abc"),
+    "tokenize: 500": _transport("/tokenize", respond(500, {"error": "boom"}), {PASS}),
+    "tokenize: junk tokens": _transport("/tokenize", respond(200, {"tokens": "abc"}), {PASS}),
     "meta_info missing spec counts, state has them": _meta(PASS, spec_verify_ct=_DROP),
     "version an object": _info(PASS, ("version",), {"deep": [[[1]]]}),
     "handshake block_size a string": _info(PASS, ("ddtree_handshake", "block_size"), "16"),

@@ -203,7 +203,9 @@ def test_chat_completions_is_openai_shaped(server: LabServerProcess) -> None:
         ("/generate", {"text": "a", "sampling_params": {"max_new_tokenz": 3}}, "unknown field `max_new_tok"),
         ("/generate", {"input_ids": [1, 99999]}, "outside the vocabulary"),
         ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": 40000}}, "maximum context length"),
-        ("/generate", {"text": "a", "return_logprob": True}, "return_logprob"),
+        ("/generate", {"input_ids": [5, 6], "return_logprob": True, "logprob_start_len": 3},
+         "logprob_start_len=3 is higher than the number of input tokens"),
+        ("/generate", {"text": "a", "return_logprob": "yes"}, "expected a boolean"),
         ("/v1/chat/completions", {"messages": []}, "messages must be a non-empty list"),
     ],
 )
@@ -217,6 +219,39 @@ def test_bad_bodies_get_sglang_like_400s(server: LabServerProcess, path, body, f
     else:
         message = error if isinstance(error, str) else error["message"]
     assert fragment in message
+
+
+def test_return_logprob_gives_the_targets_logprobs_as_sglang_shapes_them(server: LabServerProcess,
+                                                                        models: Path) -> None:
+    """Input positions from the prefill, output tokens from the DDTREE verify rows that decided them: both
+    the target's own log-probabilities (the plain engine's, computed here), in SGLang's layout."""
+    import torch
+
+    tok = LabTokenizer()
+    prompt = tok.encode(LAB_PROMPTS[0])
+    body = {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 12},
+            "return_logprob": True, "logprob_start_len": 1, "top_logprobs_num": 2}
+    status, out = _json(http(server.url + "/generate", body))
+    assert status == 200, out
+    meta, ids = out["meta_info"], out["output_ids"]
+    assert [e[1] for e in meta["input_token_logprobs"]] == prompt[1:]  # positions 1.., the first null
+    assert meta["input_token_logprobs"][0][0] is None and meta["input_top_logprobs"][0] is None
+    assert [e[1] for e in meta["output_token_logprobs"]] == ids and meta["output_token_logprobs_length"] == 12
+    assert all(len(top) == 2 for top in meta["output_top_logprobs"])
+    with one_thread(), torch.no_grad():
+        engine = LabEngine(models / "target")
+        seq = torch.tensor([prompt + ids])
+        n = seq.shape[1]
+        logits, _ = engine.target(seq, torch.arange(n)[None], torch.ones(n, n, dtype=torch.bool).tril()[None])
+        logp = torch.log_softmax(logits[0].float(), dim=-1)
+    want_in = [float(logp[i - 1, prompt[i]]) for i in range(2, len(prompt))]
+    want_out = [float(logp[len(prompt) - 1 + k, t]) for k, t in enumerate(ids)]
+    assert [e[0] for e in meta["input_token_logprobs"][1:]] == pytest.approx(want_in, abs=1e-4)
+    assert [e[0] for e in meta["output_token_logprobs"]] == pytest.approx(want_out, abs=1e-4)
+    assert [top[0][1] for top in meta["output_top_logprobs"]] == ids  # greedy: each its position's top-1
+    status, tokens = _json(http(server.url + "/tokenize", {"prompt": [LAB_PROMPTS[0], "the cat"]}))
+    assert status == 200 and tokens["tokens"][0] == prompt
+    assert tokens["count"][1] == len(tok.encode("the cat"))
 
 
 def test_metrics_use_sglang_names(server: LabServerProcess) -> None:

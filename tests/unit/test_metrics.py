@@ -57,6 +57,9 @@ def test_state_files_become_metrics(host: Path):
     assert s[("ddtree_handshake_observed_hidden_width", (u,))] == 25600
     assert s[("ddtree_handshake_ok", (u,))] == 1.0
     assert s[("ddtree_budget", (u,))] == 16
+    # the recorded server has no /tokenize: not checked, and no counts that would read as a clean check
+    assert s[("ddtree_probe_lossless_checked", (u,))] == 0.0
+    assert ("ddtree_probe_lossless_mismatches", (u,)) not in s
     assert s[("ddtree_deploy_info", (("profile", "balanced"), ("release", "r-3f2a9c"), u))] == 1.0
     assert s[("ddtree_deploy_timestamp_seconds", (u,))] == 1795946400.0
     assert s[("ddtree_rollouts_total", (("outcome", "rolled_back"), u))] == 1.0
@@ -67,6 +70,25 @@ def test_state_files_become_metrics(host: Path):
     assert not [k for k in s if ("unit", "sglang-qwen-shadow") in k[1]]
     # our names: ddtree_ prefix, underscores only (colons are for recording rules)
     assert all(name.startswith("ddtree_") and ":" not in name for name, _ in s)
+
+
+def test_a_probe_that_found_the_verify_not_lossless_exposes_the_counts(host: Path):
+    from ddtree_runtime import lossless
+    from ddtree_runtime.probe import Report, _check_lossless
+    from tests.unit._lossless_answers import PROMPT, answer
+
+    gen = lossless.Generation(PROMPT, [5, 2, 9])
+    tops = [[(-0.4, 5), (-1.2, 3)], [(-0.3, 6), (-2.1, 2)], [(-0.8, 4), (-0.9, 9)]]
+    report = Report("live")
+    _check_lossless(report, lossless.compare_answers([gen], [answer(gen, tops)]))
+    write_report(report, str(host / "probe" / "sglang-qwen-shadow.json"))
+    s = _samples(metrics.generate_latest(metrics.build_registry(str(host), systemd=False)).decode())
+    u = ("unit", "sglang-qwen-shadow")
+    assert s[("ddtree_probe_failure_info", (("cause", "verify_not_lossless"), ("probe", "live"), u))] == 1.0
+    assert s[("ddtree_probe_lossless_checked", (u,))] == 1.0
+    assert s[("ddtree_probe_lossless_tokens_checked", (u,))] == 3.0
+    assert s[("ddtree_probe_lossless_mismatches", (u,))] == 1.0
+    assert s[("ddtree_probe_lossless_near_ties", (u,))] == 1.0
 
 
 def test_failed_probe_exposes_its_cause(host: Path):

@@ -17,7 +17,7 @@ import pytest
 
 from ddtree_runtime import diagnose
 from ddtree_runtime.probe import EXIT_FAILED, EXIT_NOT_READY, EXIT_PASS, live_probe, static_probe
-from tests.unit._lab import LabServerProcess, lab_models
+from tests.unit._lab import LabServerProcess, contrary_drafter, lab_models
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +52,50 @@ def test_healthy_ddtree_server_passes(ddtree_server: LabServerProcess, tmp_path:
     assert res.returncode == EXIT_PASS, res.stdout + res.stderr
     report = json.loads(out.read_text())
     assert report["ok"] and [c["name"] for c in report["checks"]] == [
-        "ready", "generate", "flags", "handshake", "accept_length"]
+        "ready", "generate", "flags", "handshake", "lossless", "accept_length"]
     hs = report["handshake"]
     assert hs["status"] == "ok" and hs["expected_hidden_width"] == hs["observed_hidden_width"]
     assert report["figures"]["accept_length"] > 1.5
     assert all(a["text"].strip() for a in report["figures"]["answers"])
+    checked = report["figures"]["lossless"]
+    assert (checked["status"], checked["mismatches"], checked["near_ties"]) == ("passed", 0, 0)
+    assert checked["tokens_checked"] == report["figures"]["completion_tokens"] == 96  # 3 prompts x 32
+
+
+def test_a_verify_that_is_not_lossless_fails_though_fluent_and_accepting(models: Path, tmp_path: Path):
+    """relaxed_accept: the walk also takes drafted tokens the target ranks second or third. The answers
+    read as well and the acceptance length clears the deploy's minimum; only the lossless check sees it."""
+    srv = LabServerProcess(_serve_args(models), env={"DDTREE_LAB_FAULT": "relaxed_accept"}, tmp=tmp_path)
+    try:
+        report = live_probe(srv.url, timeout=120, poll_s=0.2, min_accept_length=1.5)
+        res = _probe_cli("live", "--url", srv.url, "--timeout", "60")
+    finally:
+        srv.stop()
+    assert (report.exit_code, report.cause) == (EXIT_FAILED, "verify_not_lossless"), report.message
+    assert [c.name for c in report.checks if not c.ok] == ["lossless"]
+    assert report.figures["accept_length"] >= 1.5
+    assert all(a["text"].strip() for a in report.figures["answers"])
+    checked = report.figures["lossless"]
+    first = checked["first_mismatch"]
+    assert checked["mismatches"] >= 3 and first["gap_nats"] > checked["margin_nats"]
+    assert first["emitted_token"] != first["target_token"]
+    assert first["emitted_logprob"] < first["target_logprob"]
+    assert "not lossless" in report.message and f"emitted {first['emitted_token']}" in report.message
+    assert res.returncode == EXIT_FAILED and "FAIL [verify_not_lossless]" in res.stdout
+
+
+def test_a_drafter_that_never_agrees_still_passes_the_lossless_check(models: Path, tmp_path: Path):
+    """Acceptance 1: every token is the verify's bonus (the root row's choice); still the target's own."""
+    draft = contrary_drafter(models, tmp_path / "contrary")
+    srv = LabServerProcess(_serve_args(models, draft=str(draft)), tmp=tmp_path)
+    try:
+        report = live_probe(srv.url, timeout=120, poll_s=0.2)
+    finally:
+        srv.stop()
+    assert report.ok, report.message
+    assert report.figures["accept_length"] < 1.1
+    checked = report.figures["lossless"]
+    assert (checked["status"], checked["tokens_checked"], checked["mismatches"]) == ("passed", 96, 0)
 
 
 def test_greedy_answers_repeat_exactly(ddtree_server: LabServerProcess):

@@ -33,7 +33,12 @@ def test_healthy_server_passes_with_figures_and_greedy_requests():
     sc = Scenario(not_ready_polls=3, completion_tokens=32, spec_verify_ct=8)
     report, _ = _probe(sc, min_accept_length=2.0, prompts=["a", "b"], max_new_tokens=32)
     assert report.ok and report.exit_code == EXIT_PASS, report.message
-    assert [c.name for c in report.checks] == ["ready", "generate", "flags", "handshake", "accept_length"]
+    assert [c.name for c in report.checks] == ["ready", "generate", "flags", "handshake", "lossless",
+                                               "accept_length"]
+    # A server without SGLang's /tokenize and logprob fields: said so, neither a pass nor a failure.
+    assert report.figures["lossless"]["status"] == "not_checked"
+    assert "POST /tokenize answered HTTP 404" in report.checks[4].detail and report.checks[4].ok
+    assert "lossless not checked" in report.message
     assert report.figures["accept_length"] == 4.0
     assert report.figures["accept_length_source"].startswith("generate meta_info")
     assert report.figures["completion_tokens"] == 64
@@ -71,7 +76,7 @@ def test_handshake_failures_are_named(status, observed, cause):
     sc.server_info["ddtree_handshake"].update(status=status, observed_hidden_width=observed)
     report, _ = _probe(sc)
     assert (report.exit_code, report.cause) == (EXIT_FAILED, cause)
-    assert not report.checks[-1].ok and report.checks[-1].name == "handshake"
+    assert [c.name for c in report.checks if not c.ok] == ["handshake"]
 
 
 def test_ddtree_without_handshake_means_plugin_missing():

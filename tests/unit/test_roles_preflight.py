@@ -46,11 +46,14 @@ def test_removed_flag_spelling_is_refused():
 @pytest.mark.parametrize(
     ("extra", "expected"),
     [
-        ("sglang_service_port=70000", "port must be 1..65535"),
+        ("sglang_service_port=70000",
+         "sglang_service_port: '70000' is out of range: 0..65535 (0 = the profile's port)"),
         ("ddtree_runtime_install_source=ftp", "install_source must be one of: index, wheelhouse"),
-        ("ddtree_runtime_keep_releases=0", "ddtree_runtime_keep_releases >= 1"),
-        ("ddtree_probe_min_accept_length=0.5", "ddtree_probe_min_accept_length >= 1.0"),
-        ('{"sglang_extra_env": {"BAD NAME": "x"}}', "sglang_extra_env must map NAME"),
+        ("ddtree_runtime_keep_releases=0", "ddtree_runtime_keep_releases: '0' is out of range: 1..100"),
+        ("ddtree_probe_min_accept_length=0.5",
+         "ddtree_probe_min_accept_length: '0.5' is not a number in [1, 1000]"),
+        ('{"sglang_extra_env": {"BAD NAME": "x"}}',
+         "sglang_service_extra_env key: 'BAD NAME' is not an environment variable name"),
         ('{"sglang_service_sandbox_disable": ["NoSuchDirective"]}', "sandbox_disable only names"),
         ('{"sglang_service_host": "0.0.0.0"}', "SGLang's API has no authentication"),
     ],

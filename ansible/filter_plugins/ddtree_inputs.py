@@ -1,0 +1,80 @@
+"""Filters over ddtree_runtime/deploy_inputs.py: the roles' input checks and systemd quoting.
+
+The module is loaded by its file path from the checkout the play runs from (it is stdlib only), so
+the controller needs nothing of ours installed for the preflight to run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+from ansible.errors import AnsibleFilterError
+
+_SOURCE = Path(__file__).resolve().parents[2] / "ddtree_runtime" / "deploy_inputs.py"
+
+
+def _load() -> Any:
+    name = "ddtree_deploy_inputs"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, _SOURCE)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+_rules = _load()
+
+
+def _quoting(func: Any) -> Any:
+    """A quoting filter whose refusal fails the task with the rule, not a Python traceback."""
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except _rules.InputError as exc:
+            raise AnsibleFilterError(str(exc)) from None
+
+    return wrapped
+
+
+def _plain(value: Any) -> Any:
+    """Ansible's lazy containers as plain dicts and lists (the rules check types)."""
+    if isinstance(value, dict):
+        return {str(k) if not isinstance(k, str) else k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, str):
+        return str(value)
+    return value
+
+
+def _existing_account(passwd_line: Any, name: str, value: str, home: str, shell: str) -> list[str]:
+    found = _rules.existing_account(name, value, str(passwd_line or ""), home=home, shell=shell)
+    return [found] if found else []
+
+
+class FilterModule:
+    def filters(self) -> dict[str, Any]:
+        return {
+            "ddtree_service_problems": lambda v: _rules.service_problems(_plain(v)),
+            "ddtree_service_argv": _quoting(lambda v: _rules.service_argv(_plain(v))),
+            "ddtree_service_env": _quoting(lambda v: _rules.service_env(_plain(v))),
+            "ddtree_canary_problems": lambda v: _rules.canary_problems(_plain(v)),
+            "ddtree_exporter_problems": lambda v: _rules.exporter_problems(_plain(v)),
+            "ddtree_probe_problems": lambda v: _rules.probe_problems(_plain(v)),
+            "ddtree_runtime_problems": lambda v: _rules.runtime_problems(_plain(v)),
+            "ddtree_state_problems": lambda state, name, releases_dir: _rules.recorded_state_problems(
+                name, _plain(state), str(releases_dir)),
+            "ddtree_account_problems": _existing_account,
+            "ddtree_split_flags": _quoting(lambda items, name="sglang_extra_flags": _rules.split_launch_flags(
+                _plain(items), name)),
+            "ddtree_exec_line": _quoting(lambda argv: _rules.exec_line(_plain(argv))),
+            "ddtree_exec_words": _quoting(lambda argv: _rules.exec_words(_plain(argv))),
+            "ddtree_systemd_word": _quoting(_rules.systemd_word),
+            "ddtree_env_value": _quoting(_rules.env_file_value),
+            "ddtree_unit_value": _quoting(lambda value, name="a unit value": _rules.unit_value(name, value)),
+        }
