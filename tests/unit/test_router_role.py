@@ -137,10 +137,23 @@ def test_loopback_by_default(tmp_path: Path) -> None:
             {"sglang_router_workers": ["w1", "nosuchhost", "w1"]},
             "each once (got ['w1', 'nosuchhost', 'w1']; unknown: nosuchhost)",
         ),
-        ({"sglang_router_extra_flags": ["--log-level info\nExecStartPre=/bin/sh"]}, "single-line strings"),
+        (
+            {"sglang_router_extra_flags": ["--log-level info\nExecStartPre=/bin/sh"]},
+            "sglang_router_extra_flags[0]: '--log-level info\\nExecStartPre=/bin/sh' holds the control",
+        ),
         (
             {"sglang_router_extra_flags": ["--worker-urls http://10.9.9.9:1"]},
-            "may not set --host, --port, --worker-urls",
+            "sets a flag the role's own variables set",
+        ),
+        (
+            {
+                "sglang_router_control_key": "short\nkey",
+                "sglang_router_health_check_interval_s": 0,
+                "sglang_router_user": "root",
+            },
+            "sglang_router_health_check_interval_s: 0 is out of range: 1..3600; sglang_router_user: 'root' "
+            "is root: the service runs as a dedicated unprivileged account (the role creates it; the "
+            "default is fine); sglang_router_control_key: (value hidden) is not 16-256 characters",
         ),
     ],
 )
