@@ -12,6 +12,10 @@
   DDTREE (budgets 16, 32, 64) for both pairs, one server measured at a time (the others idle with
   ``--sleep-on-idle``), the output ids checked against the plain server's at every level, tokens/s
   ratios against DFLASH from the same run.
+* ``prod``: Qwen3.6-27B's shape with ``--load-format dummy`` (``prod_shape``), one server at a time
+  (``DDTREE_GPU_LAB_PROD``, default ``dflash-fp32 ddtree16-fp32``): the benchmark at 1, 4 and 16,
+  then SGLang's profiler over 24 steps at 1 and 16 (``profile_gaps``: time per round, GPU time in
+  the draft and the verify, GPU idle and host syncs per round with the frame that issued each).
 
 Servers start in two waves: the two plain servers first (they compile SGLang's run-time kernels into
 the shared cache), then every other server at once; every server is stopped by PID at the end.
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -64,7 +69,7 @@ def _server(spec: Spec, models: Path, log_dir: Path) -> GpuServer:
     pair = models / spec.pair
     return GpuServer(
         spec.name, pair / "target", log_dir=log_dir, algorithm=spec.algorithm, draft=pair / "draft",
-        hybrid=spec.pair == "hybrid", overrides=spec.overrides, extra=spec.extra,
+        hybrid=spec.pair in ("hybrid", "prod"), overrides=spec.overrides, extra=spec.extra,
         env={"SGLANG_LOG_DECODE_GRAPH_KEY": "1", **spec.env},
     )  # fmt: skip
 
@@ -246,10 +251,101 @@ def run_bench(
                 server.stop()
 
 
+# --- the production shape: Qwen3.6-27B with dummy weights ------------------------------------------
+PROD_DEFAULT = "dflash-fp32 ddtree16-fp32"
+PROD_PROFILE_LEVELS = (1, 16)
+
+
+def prod_spec(word: str) -> Spec:
+    """``dflash-fp32``, ``ddtree16-bf16``, ``plain-fp32``: decoder (budget), then the SSM state dtype."""
+    decoder, _, ssm = word.partition("-")
+    dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(ssm)
+    if dtype is None:
+        raise ValueError(f"{word!r}: end with -fp32 or -bf16 (the SSM state dtype)")
+    # The lab's 0.5 leaves room for several servers; one 27B server at a time takes the profile's.
+    overrides: dict[str, Any] = {"mem-fraction-static": 0.88, "mamba-ssm-dtype": dtype}
+    algorithm: str | None = None
+    if decoder == "dflash":
+        algorithm = "DFLASH"
+    elif decoder.startswith("ddtree") and decoder[6:].isdigit():
+        algorithm = "DDTREE"
+        overrides["speculative-ddtree-budget"] = int(decoder[6:])
+    elif decoder != "plain":
+        raise ValueError(f"{word!r}: start with plain, dflash or ddtreeB")
+    return Spec(f"prod-{word}", "prod", algorithm, overrides=overrides, extra=["--load-format", "dummy"])
+
+
+def profile_round(server: GpuServer, out: Path, level: int, steps: int = 24) -> dict[str, Any]:
+    """SGLang's own profiler over ``steps`` scheduler steps of ``level`` requests in flight."""
+    from ddtree_runtime.server_bench import run_level
+    from ddtree_sglang_gpu_lab.profile_gaps import analyse
+
+    out.mkdir(parents=True, exist_ok=True)
+    status, doc = server.request("/start_profile", {
+        "output_dir": str(out), "num_steps": steps, "activities": ["CPU", "GPU"], "with_stack": True,
+    })  # fmt: skip
+    if status != 200:
+        return {"error": f"/start_profile HTTP {status}: {str(doc)[:500]}"}
+    run_level(server.url, PROMPTS, concurrency=level, requests=level, max_new_tokens=NEW_TOKENS)
+    deadline = time.monotonic() + 150
+    while time.monotonic() < deadline:
+        traces = sorted(out.glob("*.trace.json.gz"))
+        # Written once the steps are done: wait until it stops growing (mtime is wall-clock time).
+        if traces and time.time() - traces[-1].stat().st_mtime > 3:
+            keep = os.environ.get("DDTREE_GPU_LAB_TRACE_OUT")  # a folder the traces are copied to
+            if keep:
+                Path(keep).mkdir(parents=True, exist_ok=True)
+                shutil.copy2(traces[-1], Path(keep) / f"{out.name}.trace.json.gz")
+            return {**analyse(traces[-1]), "trace_mib": round(traces[-1].stat().st_size / 2**20, 1)}
+        time.sleep(1)
+    return {"error": f"no trace in {out} after 150 s: {sorted(p.name for p in out.iterdir())}"}
+
+
+def run_prod(models: Path, log_dir: Path) -> None:
+    """One 27B server at a time (each takes the GPU): start, bench, profile at 1 and 16, stop."""
+    from ddtree_runtime.server_bench import bench_server
+    from ddtree_sglang_gpu_lab.prod_shape import write_prod_pair
+
+    write_prod_pair(models / "hybrid", models / "prod")
+    words = os.environ.get("DDTREE_GPU_LAB_PROD", PROD_DEFAULT).split()
+    repeats = int(os.environ.get("DDTREE_GPU_LAB_REPEATS", "2"))
+    stop_at = time.monotonic() + float(os.environ.get("DDTREE_GPU_LAB_DEADLINE_S", "520"))
+    for word in words:
+        if stop_at - time.monotonic() < float(os.environ.get("DDTREE_GPU_LAB_MIN_LEFT_S", "200")):
+            emit({"case": "prod", "server": f"prod-{word}", "skipped": "not enough time left in this call"})
+            continue
+        spec = prod_spec(word)
+        server = start_all([spec], models, log_dir)[spec.name]
+        if not isinstance(server, GpuServer):
+            continue
+        try:
+            emit({"case": "prod_start", "server": spec.name, "ready_s": server.ready_seconds,
+                  "pool": [ln[-300:] for ln in server.log.splitlines() if "max_total_num_tokens" in ln
+                           or ("mamba" in ln.lower() and "cache" in ln.lower())][-3:]})  # fmt: skip
+            rows = {}
+            if os.environ.get("DDTREE_GPU_LAB_PROD_BENCH", "1") == "1":
+                rows = bench_server(
+                    server.url, PROMPTS, levels=BENCH_LEVELS, repeats=repeats, label=spec.name,
+                    emit=lambda line: print(line, flush=True),
+                )  # fmt: skip
+            for level, row in rows.items():
+                row.pop("ids", None)
+                emit({"case": "prod_summary", "server": spec.name, "concurrency": level, **row})
+            levels = os.environ.get("DDTREE_GPU_LAB_PROFILE_LEVELS", "")
+            for level in tuple(int(x) for x in levels.split()) or PROD_PROFILE_LEVELS:
+                report = profile_round(server, log_dir / "profiles" / f"{spec.name}-c{level}", level)
+                emit({"case": "prod_profile", "server": spec.name, "concurrency": level, **report})
+        except RuntimeError as exc:
+            emit({"case": "prod", "server": spec.name, "error": str(exc)[-1500:]})
+        finally:
+            server.stop()
+
+
 CASES: dict[str, Callable[[argparse.Namespace], None]] = {
     "evidence": lambda a: run_evidence(a.models, a.logs, probe=False),
     "evidence+probe": lambda a: run_evidence(a.models, a.logs, probe=True),
     "bench": lambda a: run_bench(a.models, a.logs),
+    "prod": lambda a: run_prod(a.models, a.logs),
 }
 
 

@@ -1,0 +1,93 @@
+"""Qwen3.6-27B's shape for ``--load-format dummy``: config files only, nothing to download.
+
+The target is the lab hybrid target's config (the keys SGLang 0.5.23's ``qwen3_5_text`` needs, proven
+on the device) with Qwen3.6-27B's geometry (``../shared/docs/hybrid-verify.md``, ddtree-algorithm.md
+section 1): 64 layers, 48 Gated DeltaNet + 16 gated attention, hidden 5120, vocab 248320. The drafter
+is z-lab/Qwen3.6-27B-DFlash's geometry (5 layers of hidden 5120 over 5 target layers: capture width
+25600) with two stated departures: all five layers full attention (the checkpoint's first four slide
+over 2048 tokens, which the lab's short prompts never reach) and the lab tokenizer's mask token. The
+drafter's safetensors file is a header only (``fc.weight`` and its norm, no data): DDTREE's
+hidden-state contract reads that header; ``--load-format dummy`` reads no weights. Acceptance on
+random weights means nothing; time per pass does.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+from typing import Any
+
+TARGET = {
+    "hidden_size": 5120,
+    "num_hidden_layers": 64,
+    "intermediate_size": 17408,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "full_attention_interval": 4,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 16,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 48,
+    "vocab_size": 248320,
+    "attn_output_gate": True,
+    "partial_rotary_factor": 0.25,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0},
+    "rope_theta": 10000000.0,
+}
+DRAFT = {
+    "hidden_size": 5120,
+    "num_hidden_layers": 5,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 17408,
+    "num_target_layers": 64,
+    "vocab_size": 248320,
+    "layer_types": ["full_attention"] * 5,
+    "rope_theta": 10000000.0,
+}
+TARGET_LAYER_IDS = [1, 16, 31, 46, 61]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+
+
+def header_only_safetensors(path: Path, tensors: dict[str, list[int]]) -> None:
+    """A safetensors header (bf16, consistent offsets) with no data bytes."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in tensors.items():
+        size = 2
+        for dim in shape:
+            size *= dim
+        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+
+
+def write_prod_pair(hybrid_lab_pair: Path, dest: Path) -> Path:
+    """``dest/target`` and ``dest/draft`` at Qwen3.6-27B's shape, from the lab hybrid pair's configs."""
+    target_dir, draft_dir = dest / "target", dest / "draft"
+    target_dir.mkdir(parents=True, exist_ok=True)
+    draft_dir.mkdir(parents=True, exist_ok=True)
+    target = json.loads((hybrid_lab_pair / "target/config.json").read_text())
+    target.update(TARGET)
+    (target_dir / "config.json").write_text(json.dumps(target, indent=2))
+    for name in TOKENIZER_FILES:
+        if (hybrid_lab_pair / "target" / name).is_file():
+            shutil.copy2(hybrid_lab_pair / "target" / name, target_dir / name)
+    draft = json.loads((hybrid_lab_pair / "draft/config.json").read_text())
+    draft.update(DRAFT)
+    draft["dflash_config"] = {**draft["dflash_config"], "target_layer_ids": TARGET_LAYER_IDS}
+    (draft_dir / "config.json").write_text(json.dumps(draft, indent=2))
+    width = DRAFT["hidden_size"] * len(TARGET_LAYER_IDS)
+    header_only_safetensors(
+        draft_dir / "model.safetensors",
+        {"fc.weight": [DRAFT["hidden_size"], width], "hidden_norm.weight": [DRAFT["hidden_size"]]},
+    )
+    return dest
