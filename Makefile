@@ -16,7 +16,8 @@ test: venv
 lint: venv
 	$(VENV)/bin/ruff check .
 
-venv: $(VENV)/.installed $(VENV)/.sglang-installed $(VENV)/.sglang-cpu-lab-installed $(VENV)/.sglang-gpu-lab-installed
+venv: $(VENV)/.installed $(VENV)/.sglang-installed $(VENV)/.sglang-cpu-lab-installed $(VENV)/.sglang-gpu-lab-installed \
+      $(VENV)/router/.installed
 
 # torch==2.13.0 first: it is the CPU wheel on disk; an unpinned torch would pull GBs of CUDA wheels.
 $(VENV)/.installed: pyproject.toml
@@ -53,6 +54,16 @@ $(VENV)/.sglang-gpu-lab-installed: $(VENV)/.sglang-cpu-lab-installed $(GPU_LAB)/
 	$(PIP) install -q --no-deps --no-build-isolation $(VENV)/.gpu-lab-build && rm -rf $(VENV)/.gpu-lab-build
 	touch $@
 # --- end GPU lab layer
+
+# --- the router (issue 26): sglang-router in a venv of its own, as roles/sglang_router installs it (beside
+# SGLang its launcher imports sglang's tracing, which fails on this CPU set); unit tests run it on loopback.
+ROUTER_PIN := $(shell grep -oE '^sglang_router_version: "[0-9.]+"' roles/sglang_router/defaults/main.yml | grep -oE '[0-9.]+')
+$(VENV)/router/.installed: roles/sglang_router/defaults/main.yml
+	$(PYTHON) -m venv $(VENV)/router
+	$(VENV)/router/bin/pip install -q --upgrade pip
+	$(VENV)/router/bin/pip install -q sglang-router==$(ROUTER_PIN)
+	touch $@
+# --- end router
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -557,6 +557,10 @@ def canary_problems(v: Mapping[str, Any]) -> list[str]:
         number("sglang_canary_max_latency_ratio", v.get("max_latency_ratio"), 0, 1000, low_open=True),
         number("sglang_canary_latency_slack_s", v.get("latency_slack_s"), 0, 3600),
         integer("sglang_canary_ready_timeout", v.get("ready_timeout"), 1, 86400),
+        integer("sglang_canary_traffic_s", v.get("traffic_s"), 0, 86400),
+        integer("sglang_canary_traffic_requests", v.get("traffic_requests"), 1, 10**6),
+        number("sglang_canary_traffic_max_error_rate_increase",
+               v.get("traffic_max_error_rate_increase"), 0, 1),
         strict_bool("sglang_canary_require_equal_tokens", v.get("require_equal_tokens")),
         string_list("sglang_canary_prompts", v.get("prompts"), limit=64),
         launch_problems("sglang_canary_shadow_extra_flags", v.get("shadow_extra_flags")),
@@ -677,3 +681,84 @@ def runtime_problems(v: Mapping[str, Any]) -> list[str]:
     for path in v.get("reference_paths") or []:
         problems += _collect(abs_path("ddtree_runtime_reference_paths entry", path))
     return problems
+
+
+_ROUTER_VERSION = re.compile(r"\d{1,4}\.\d{1,4}\.\d{1,4}")
+# 16+ characters the router's id:name:role:key list and an HTTP bearer header both carry as they are.
+_CONTROL_KEY = re.compile(r"[A-Za-z0-9_.~+/=-]{16,256}")
+# The router role sets these itself (its own variables): extra flags may not set them again.
+_ROUTER_OWN_FLAGS = ("--host", "--port", "--worker-urls", "--control-plane-api-keys", "--prometheus-host",
+                     "--prometheus-port")
+
+
+def ip_address(name: str, value: Any) -> str | None:
+    """A literal IPv4 or IPv6 address (a unit's address filter and a worker URL take no names)."""
+    try:
+        ipaddress.ip_address(value if isinstance(value, str) else "-")
+    except ValueError:
+        return _problem(name, value, "is not an IP address (e.g. 10.0.4.11): a worker's is its "
+                        "sglang_rotation_worker_address, else its ansible_host")
+    return None
+
+
+def router_problems(v: Mapping[str, Any]) -> list[str]:
+    """Every sglang_router value that reaches its unit, its env file, its venv's path or pip."""
+    problems = _collect(
+        None if isinstance(v.get("version"), str) and _ROUTER_VERSION.fullmatch(v["version"]) else _problem(
+            "sglang_router_version", v.get("version"), "is not a release like 0.3.2"),
+        None if v.get("install_source") in ("index", "wheelhouse") else _problem(
+            "sglang_router_install_source", v.get("install_source"), "is not index or wheelhouse"),
+        *[abs_path(f"sglang_router_{d}", v.get(d)) for d in
+          ("wheelhouse", "root", "python", "unit_dir", "env_dir", "state_dir")],
+        string_list("sglang_router_pip_index_args", v.get("pip_index_args")),
+        listen_address("sglang_router_listen_address", v.get("listen_address")),
+        listen_address("sglang_router_metrics_listen_address", v.get("metrics_listen_address")),
+        port("sglang_router_port", v.get("port")),
+        port("sglang_router_metrics_port", v.get("metrics_port")),
+        clients("sglang_router_allowed_clients", v.get("allowed_clients")),
+        None if v.get("policy") in ("cache_aware", "round_robin", "random", "power_of_two") else _problem(
+            "sglang_router_policy", v.get("policy"),
+            "is not cache_aware, round_robin, random or power_of_two"),
+        integer("sglang_router_health_check_interval_s", v.get("health_check_interval_s"), 1, 3600),
+        integer("sglang_router_health_failure_threshold", v.get("health_failure_threshold"), 1, 1000),
+        integer("sglang_router_request_timeout_s", v.get("request_timeout_s"), 1, 86400),
+        integer("sglang_router_shutdown_grace_s", v.get("shutdown_grace_s"), 0, 86400),
+        integer("sglang_router_worker_startup_timeout_s", v.get("worker_startup_timeout_s"), 1, 86400),
+        launch_problems("sglang_router_extra_flags", v.get("extra_flags")),
+        account("sglang_router_user", v.get("user")),
+        string_list("sglang_router_workers", v.get("workers")),
+    )
+    key = v.get("control_key")
+    if not isinstance(key, str) or (key != "" and not _CONTROL_KEY.fullmatch(key)):
+        problems.append(_problem("sglang_router_control_key", key, "is not 16-256 characters of A-Z a-z 0-9 "
+                                 "and -_.~+/= (or empty on a loopback router)", secret=True))
+    if not problems and as_int(v.get("port")) == as_int(v.get("metrics_port")):
+        problems.append(_problem("sglang_router_metrics_port", v.get("metrics_port"),
+                                 "is the router's port: the metrics listen on a port of their own"))
+    for i, item in enumerate(v.get("extra_flags") if isinstance(v.get("extra_flags"), list) else []):
+        flag = str(item).split(" ", 1)[0].split("=", 1)[0]
+        if flag in _ROUTER_OWN_FLAGS:
+            problems.append(_problem(f"sglang_router_extra_flags[{i}]", item, "sets a flag the role's own "
+                                     f"variables set: {', '.join(_ROUTER_OWN_FLAGS)} may not be given here"))
+    addresses = v.get("worker_addresses")
+    for i, address in enumerate(addresses if isinstance(addresses, list) else [addresses]):
+        problems += _collect(ip_address(f"sglang_router_workers[{i}]'s address", address))
+    return problems
+
+
+def rotation_problems(v: Mapping[str, Any]) -> list[str]:
+    """The sglang_rotation values that reach a router's control API, a URL or a wait."""
+    return _collect(
+        strict_bool("sglang_rotation_enabled", v.get("enabled")),
+        strict_bool("sglang_rotation_allow_single_host_downtime", v.get("allow_single_host_downtime")),
+        ip_address("sglang_rotation_worker_address", v.get("worker_address")),
+        ip_address("sglang_rotation_local_address", v.get("local_address")),
+        port("sglang_rotation_port", v.get("port")),
+        port("sglang_rotation_shadow_port", v.get("shadow_port")),
+        unit_name("sglang_rotation_unit", v.get("unit")),
+        abs_path("sglang_rotation_state_dir", v.get("state_dir")),
+        integer("sglang_rotation_drain_timeout", v.get("drain_timeout"), 0, 86400),
+        integer("sglang_rotation_join_timeout", v.get("join_timeout"), 1, 86400),
+        integer("sglang_rotation_api_timeout", v.get("api_timeout"), 1, 3600),
+        string_list("sglang_rotation_routers", v.get("routers")),
+    )

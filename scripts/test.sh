@@ -17,5 +17,8 @@ fi
 if ! python -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     export TRITON_INTERPRET=1
 fi
-# The slowest tests in every log: what the CI budget (45 min on 2 cores) is spent on.
-python -m pytest tests --durations=25 "$@"
+# The slowest tests in every log: what the CI budget (40 min on 2 cores) is spent on (docs/ci-time.md).
+# Suites run side by side in DDTREE_TEST_WORKERS pytest-xdist workers (each with a lab of its own);
+# a group (a module, or the modules sharing one lab world) runs whole on one worker, longest first
+# (tests/conftest.py). DDTREE_TEST_WORKERS=0 runs everything in this one process, as before.
+python -m pytest tests --durations=25 -n "${DDTREE_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder "$@"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 
+import pytest
+
 if importlib.util.find_spec("torch") is not None:
     # The fleet tests load Ansible's inventory API in-process, and Ansible replaces sys.intern
     # with a callable object. torch._dynamo, imported later through SGLang/transformers, then
@@ -15,3 +17,48 @@ if importlib.util.find_spec("torch") is not None:
 
         define_torchvision_op_schemas()
     import torch._dynamo  # noqa: F401
+
+
+# --- parallel run (issue 24): scripts/test.sh runs pytest-xdist (-n N --dist loadgroup
+# --no-loadscope-reorder). The unit of scheduling is a group, run whole, in file order, by one worker:
+# a module (its module fixtures are set up once), or the modules named together in SHARED_WORLDS, which
+# share what they deploy on one lab (tests/lab: build A installed once on ct129/ct130 serves them all).
+# Each worker has a lab of its own (tests/lab/conftest.py), so groups on different workers never share
+# hosts. The groups reach xdist through this scheduler, not xdist_group marks: xdist 3.8 marks a group
+# by rewriting `item._nodeid`, which pytest 9 no longer reads, so its loadgroup silently runs every
+# test on its own.
+SHARED_WORLDS = {
+    "tests/lab/test_canary_lab.py": "lab-engine",
+    "tests/lab/test_deploy_rollout.py": "lab-engine",
+    "tests/lab/test_fleet_lab.py": "lab-engine",
+    "tests/lab/test_plan_lab.py": "lab-engine",
+}
+# Groups start longest first (docs/ci-time.md has the figures): a long group started last would leave the
+# other worker idle at the end. Every other group follows in collection order.
+LONGEST_FIRST = ("lab-engine", "tests/lab/test_real_sglang_lab.py", "tests/sglang/test_real_server.py")
+
+
+def group_of(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return SHARED_WORLDS.get(path, path)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Every worker sorts the same collection the same way, as xdist requires.
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(group_of(item.nodeid), len(rank)))  # stable: file order kept
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: absent without it (-p no:xdist)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorldScheduling(LoadScopeScheduling):
+        """loadscope's scheduling (a scope runs whole on one worker), with the groups above as scopes."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return WorldScheduling(config, log)

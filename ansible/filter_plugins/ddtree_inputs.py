@@ -67,6 +67,8 @@ class FilterModule:
             "ddtree_exporter_problems": lambda v: _rules.exporter_problems(_plain(v)),
             "ddtree_probe_problems": lambda v: _rules.probe_problems(_plain(v)),
             "ddtree_runtime_problems": lambda v: _rules.runtime_problems(_plain(v)),
+            "ddtree_router_problems": lambda v: _rules.router_problems(_plain(v)),
+            "ddtree_rotation_problems": lambda v: _rules.rotation_problems(_plain(v)),
             "ddtree_state_problems": lambda state, name, releases_dir: _rules.recorded_state_problems(
                 name, _plain(state), str(releases_dir)),
             "ddtree_account_problems": _existing_account,

@@ -602,7 +602,9 @@ class Handler(BaseHTTPRequestHandler):
             return None
         lab = self.lab
         with lab.request():
-            if lab.status != "ready":
+            # SGLang 0.5.23 keeps taking new requests while it drains on SIGTERM (only its health
+            # endpoints answer 503): traffic must move away before the stop, as the rotation does.
+            if lab.status == "starting":
                 return self._error(503, f"The server is not ready (status: {lab.status}).", openai=openai)
             try:
                 if path.endswith("/tokenize"):

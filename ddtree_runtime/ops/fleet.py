@@ -26,6 +26,9 @@ from ddtree_runtime.deploy_inputs import unit_name
 
 LIVE_UNIT = "sglang-qwen"
 REMOTE_SCRIPT = Path(__file__).with_name("fleet_remote.py")
+ROUTER_SCRIPT = Path(__file__).with_name("router_remote.py")
+ROUTERS_GROUP = "sglang_routers"
+ROUTER_PORT = 30080  # roles/sglang_router's default port (a unit test keeps them equal)
 
 
 class FleetError(Exception):
@@ -78,46 +81,109 @@ def _controller_only() -> None:
                              "`pip install 'ddtree-runtime[ops]'` brings paramiko and ansible-core") from exc
 
 
-def load_targets(inventory: str, limit: str | None = None, *, timeout: float = 10.0) -> list[Target]:
-    """Hosts of the inventory (after --limit) with their templated connection variables."""
+def _sources(inventory: str | list[str]) -> list[str]:
+    sources = [inventory] if isinstance(inventory, str) else list(inventory)
+    for source in sources:
+        if not Path(source).exists():
+            raise FleetError(f"inventory {source} not found: pass e.g. -i inventories/production")
+    return sources
+
+
+def _hosts(inventory: str | list[str], pattern: str,
+           limit: str | None = None) -> tuple[list, Any, Any, Any]:
+    """(hosts, variable manager, loader, inventory manager) of the inventory's `pattern` (after --limit)."""
     _controller_only()
     from ansible.errors import AnsibleError
     from ansible.inventory.manager import InventoryManager
     from ansible.parsing.dataloader import DataLoader
-    from ansible.template import Templar
     from ansible.vars.manager import VariableManager
 
-    if not Path(inventory).exists():
-        raise FleetError(f"inventory {inventory} not found: pass e.g. -i inventories/production")
+    sources = _sources(inventory)
     loader = DataLoader()
     try:
-        inv = InventoryManager(loader=loader, sources=[inventory])
+        inv = InventoryManager(loader=loader, sources=sources)
         if limit:
             inv.subset(limit)
-        hosts = inv.get_hosts("all")
+        hosts = inv.get_hosts(pattern)
     except AnsibleError as exc:
-        raise FleetError(f"inventory {inventory}: {exc}") from exc
+        raise FleetError(f"inventory {', '.join(sources)}: {exc}") from exc
+    return hosts, VariableManager(loader=loader, inventory=inv), loader, inv
+
+
+def _host_target(host: Any, manager: Any, loader: Any, timeout: float, source: str) -> Target:
+    """One inventory host's Target, its connection variables templated; FleetError names a bad one."""
+    from ansible.errors import AnsibleError
+    from ansible.template import Templar
+
+    hv = manager.get_vars(host=host, include_hostvars=False)
+    templar = Templar(loader=loader, variables=hv)
+
+    def var(*names: str, default: Any = None) -> Any:
+        for name in names:
+            if hv.get(name) is not None:
+                return templar.template(hv[name])
+        return default
+
+    try:
+        return _target(host.name, var, timeout)
+    except (AnsibleError, ValueError, TypeError) as exc:
+        raise FleetError(f"inventory {source}: host {host.name}'s connection variables: {exc}") from None
+
+
+def load_targets(inventory: str | list[str], limit: str | None = None, *,
+                 timeout: float = 10.0) -> list[Target]:
+    """Hosts of the inventory (after --limit) with their templated connection variables. Hosts that are
+    only routers (group sglang_routers) have no SGLang unit: their state is the ROTATION column."""
+    hosts, manager, loader, _ = _hosts(inventory, "all", limit)
+    hosts = [h for h in hosts if {g.name for g in h.get_groups()} - {"all", "ungrouped", ROUTERS_GROUP}
+             or ROUTERS_GROUP not in {g.name for g in h.get_groups()}]
+    name = inventory if isinstance(inventory, str) else ", ".join(inventory)
     if not hosts:
-        raise FleetError(f"no host in {inventory} matches --limit {limit!r}" if limit
-                         else f"inventory {inventory} has no hosts")
-    manager = VariableManager(loader=loader, inventory=inv)
-    targets = []
+        raise FleetError(f"no host in {name} matches --limit {limit!r}" if limit
+                         else f"inventory {name} has no hosts")
+    return [_host_target(host, manager, loader, timeout, name) for host in hosts]
+
+
+@dataclass(frozen=True)
+class RouterTarget:
+    """A router host of the inventory: how to reach it, its control API, the workers it should have."""
+
+    target: Target
+    port: int
+    key: str
+    members: tuple[tuple[str, str], ...]  # (inventory host, address the router reaches it on)
+
+
+def load_routers(inventory: str | list[str], *, timeout: float = 10.0) -> list[RouterTarget]:
+    """The inventory's routers (group sglang_routers) with their workers' addresses."""
+    from ansible.template import Templar
+
+    hosts, manager, loader, inv = _hosts(inventory, ROUTERS_GROUP)
+    name = inventory if isinstance(inventory, str) else ", ".join(inventory)
+    routers = []
     for host in hosts:
         hv = manager.get_vars(host=host, include_hostvars=False)
         templar = Templar(loader=loader, variables=hv)
-
-        def var(*names: str, default: Any = None, hv: dict = hv, templar: Templar = templar) -> Any:
-            for name in names:
-                if hv.get(name) is not None:
-                    return templar.template(hv[name])
-            return default
-
+        members = []
+        for worker_name in templar.template(hv.get("sglang_router_workers") or []):
+            worker = inv.get_host(worker_name)
+            wv = manager.get_vars(host=worker, include_hostvars=False) if worker is not None else {}
+            address = wv.get("sglang_rotation_worker_address") or wv.get("ansible_host") or worker_name
+            members.append((str(worker_name), str(templar.template(address))))
         try:
-            targets.append(_target(host.name, var, timeout))
-        except (AnsibleError, ValueError, TypeError) as exc:
-            raise FleetError(f"inventory {inventory}: host {host.name}'s connection variables: "
-                             f"{exc}") from None
-    return targets
+            key = str(templar.template(hv.get("sglang_router_control_key") or ""))
+        except Exception:  # a vaulted key without the vault password: the router answers 401, said so
+            key = ""
+        try:
+            port = int(templar.template(hv.get("sglang_router_port") or ROUTER_PORT))
+        except (TypeError, ValueError) as exc:
+            raise FleetError(f"inventory {name}: router {host.name}'s sglang_router_port: {exc}") from None
+        if not 1 <= port <= 65535:
+            raise FleetError(f"inventory {name}: router {host.name}'s sglang_router_port {port} "
+                             "is not a port")
+        routers.append(RouterTarget(_host_target(host, manager, loader, timeout, name), port,
+                                    key, tuple(members)))
+    return routers
 
 
 def _target(name: str, var: Any, timeout: float) -> Target:
@@ -230,6 +296,7 @@ class Row:
     probe_time: float | None = None
     accept_length: float | None = None
     gpu_memory: list[dict] | None = field(default=None)
+    rotation: list[str] | None = None  # "ROUTER: in | out | in (unhealthy)" per router in front of the host
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -307,8 +374,47 @@ def host_status(t: Target, units: list[str]) -> list[Row]:
     return rows_from_facts(t.name, facts, units)
 
 
+def router_script(port: int, key: str) -> str:
+    """router_remote.py with the router's port and key in its CONFIG line."""
+    marker = "CONFIG: dict = {}"
+    text = ROUTER_SCRIPT.read_text()
+    assert marker in text, f"{ROUTER_SCRIPT} lost its CONFIG line"
+    return text.replace(marker, f"CONFIG: dict = {json.dumps({'port': port, 'key': key})}", 1)
+
+
+def router_workers(router: RouterTarget) -> dict[str, Any]:
+    """The router's GET /workers answer (over SSH, on its own loopback), or {"error": why}."""
+    script = router_script(router.port, router.key)
+    try:
+        _rc, out, err = run_remote(router.target, "python3 -", script)
+        return json.loads(out)
+    except ValueError:
+        return {"error": f"router script failed: {(err or out).strip().splitlines()[-1:] or ['no output']}"}
+    except Exception as exc:
+        return {"error": _why_unreachable(router.target, exc)}
+
+
+def rotation_states(routers: list[RouterTarget]) -> dict[str, list[str]]:
+    """host -> 'ROUTER: in | out | in (unhealthy) | ? (why)' per router it is configured behind."""
+    from ddtree_runtime.ops.rotation import Member, RouterView, host_states
+
+    states: dict[str, list[str]] = {}
+    for router in routers:
+        answer = router_workers(router)
+        if "error" in answer or not isinstance(answer.get("workers"), list):
+            why = answer.get("error", "no worker list")
+            for host, _ in router.members:
+                states.setdefault(host, []).append(f"{router.target.name}: ? ({why})")
+            continue
+        view = RouterView(router.target.name, tuple(Member(h, a) for h, a in router.members),
+                          tuple(answer["workers"]))
+        for host, cells in host_states([view]).items():
+            states.setdefault(host, []).extend(cells)
+    return states
+
+
 def fleet_status(targets: list[Target], units: list[str], *, forks: int = 10,
-                 progress: bool = False) -> list[Row]:
+                 progress: bool = False, routers: list[RouterTarget] | None = None) -> list[Row]:
     rows: dict[str, list[Row]] = {}
     with ThreadPoolExecutor(max_workers=max(1, min(forks, len(targets)))) as pool:
         futures = {pool.submit(host_status, t, units): t for t in targets}
@@ -322,6 +428,11 @@ def fleet_status(targets: list[Target], units: list[str], *, forks: int = 10,
                                 for u in units]
             if progress:
                 print(f"fleet: {t.name} answered ({n}/{len(targets)})", file=sys.stderr, flush=True)
+    rotation = rotation_states(routers or [])
+    for host_rows in rows.values():
+        for row in host_rows:
+            if row.unit == LIVE_UNIT and row.host in rotation:
+                row.rotation = rotation[row.host]
     return [row for t in targets for row in rows[t.name]]  # inventory order
 
 
@@ -349,6 +460,8 @@ def _cell(row: Row, key: str, now: float) -> str:
         return f"{result} ({_age(now - row.probe_time)} ago)" if row.probe_time else result
     if key == "accept":
         return "-" if row.accept_length is None else f"{row.accept_length:.2f}"
+    if key == "rotation":
+        return "-" if row.rotation is None else "; ".join(row.rotation)
     if key == "gpu":
         if not row.gpu_memory:
             return "-" if row.gpu_memory is None else "nvidia-smi failed"
@@ -360,7 +473,7 @@ def _cell(row: Row, key: str, now: float) -> str:
 
 COLUMNS = (("HOST", "host"), ("UNIT", "unit"), ("STATE", "active"), ("UP", "uptime"),
            ("RESTARTS", "restarts"), ("PROFILE", "profile"), ("RELEASE", "release"),
-           ("LAST PROBE", "probe"), ("ACCEPT", "accept"), ("GPU MEM", "gpu"))
+           ("LAST PROBE", "probe"), ("ACCEPT", "accept"), ("ROTATION", "rotation"), ("GPU MEM", "gpu"))
 
 
 def format_table(rows: list[Row], now: float | None = None) -> str:
@@ -444,7 +557,14 @@ def _default_inventory() -> str:
     return os.environ.get("ANSIBLE_INVENTORY") or "inventories/production"
 
 
+def _inventories(args: argparse.Namespace) -> None:
+    """-i as given (one or more, like ansible-playbook), else the default."""
+    if not args.inventory:
+        args.inventory = [_default_inventory()]
+
+
 def _run_status(args: argparse.Namespace) -> int:
+    _inventories(args)
     try:
         targets = load_targets(args.inventory, args.limit, timeout=args.timeout)
     except FleetError as exc:
@@ -456,7 +576,12 @@ def _run_status(args: argparse.Namespace) -> int:
         print(f"ddtree fleet status: {bad or f'--forks {args.forks}: pass 1..64'}", file=sys.stderr)
         return 2
     progress = not args.json and sys.stderr.isatty()
-    rows = fleet_status(targets, units, forks=args.forks, progress=progress)
+    try:
+        routers = load_routers(args.inventory, timeout=args.timeout)
+    except FleetError as exc:
+        print(f"ddtree fleet status: {exc}", file=sys.stderr)
+        return 2
+    rows = fleet_status(targets, units, forks=args.forks, progress=progress, routers=routers)
     if args.json:
         print(json.dumps({"time": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                           "rows": [r.to_dict() for r in rows]}, indent=2))
@@ -467,6 +592,7 @@ def _run_status(args: argparse.Namespace) -> int:
 
 
 def _run_logs(args: argparse.Namespace) -> int:
+    _inventories(args)
     bad = unit_name("--unit", args.unit.removesuffix(".service"))
     if bad or not 1 <= args.lines <= 100_000:
         print(f"ddtree fleet logs: {bad or f'--lines {args.lines}: pass 1..100000'}", file=sys.stderr)
@@ -498,8 +624,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="fleet_command", metavar="ACTION", required=True)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-i", "--inventory", default=_default_inventory(),
-                        help="Ansible inventory (default $ANSIBLE_INVENTORY or inventories/production)")
+    common.add_argument("-i", "--inventory", action="append", type=str,
+                        help="Ansible inventory, repeatable like ansible-playbook's "
+                             "(default $ANSIBLE_INVENTORY or inventories/production)")
     common.add_argument("--timeout", type=_seconds, default=10.0,
                         help="seconds per host for the whole exchange: connect, log in, answer (default 10)")
     s = sub.add_parser("status", parents=[common], help="a row per host: unit, profile, probe, GPU")

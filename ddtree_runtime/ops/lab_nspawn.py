@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from ddtree_runtime.ops.lab_spec import WHEELHOUSE_MOUNT, Lab, LabHost
@@ -120,7 +121,13 @@ def start(host: LabHost, wheelhouse: Path) -> int:
 
 def stop(host: LabHost, timeout: float = 20.0) -> None:
     """Power the machine off (SIGTERM makes nspawn ask the container's systemd to halt), then SIGKILL."""
-    pids = nspawn_pids(host.machine)
+    stop_all([host], timeout)
+
+
+def stop_all(hosts: Sequence[LabHost], timeout: float = 20.0) -> None:
+    """Power several machines off at once: one grace period for all (a loaded host may need all of it to
+    halt; one after the other, a 3-host lab took a minute to go down)."""
+    pids = [pid for host in hosts for pid in nspawn_pids(host.machine)]
     for pid in pids:
         _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
@@ -132,10 +139,12 @@ def stop(host: LabHost, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + 10
     while any(_alive(p) for p in pids):
         if time.monotonic() > deadline:
-            raise MachineError(f"{host.name}: systemd-nspawn {pids} did not exit after SIGKILL")
+            names = ", ".join(host.name for host in hosts)
+            raise MachineError(f"{names}: systemd-nspawn {pids} did not exit after SIGKILL")
         time.sleep(0.1)
-    # nspawn keeps a per-machine propagation dir; it is left behind when nspawn is killed.
-    shutil.rmtree(Path("/run/systemd/nspawn/propagate") / host.machine, ignore_errors=True)
+    for host in hosts:
+        # nspawn keeps a per-machine propagation dir; it is left behind when nspawn is killed.
+        shutil.rmtree(Path("/run/systemd/nspawn/propagate") / host.machine, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:

@@ -15,7 +15,8 @@ from pathlib import Path
 DEFAULT_NAME = "default"
 FIRST_HOST = 129  # production hosts are ct129, ct130, ...
 MAX_HOSTS = 32
-NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,15}$")
+NAME_MAX = 16  # machine names (<host>-<name>) and netns/veth names must fit Linux's limits
+NAME_RE = re.compile(rf"^[a-z][a-z0-9-]{{0,{NAME_MAX - 1}}}$")
 INVENTORY_GROUP = "gpu_hosts"
 WHEELHOUSE_MOUNT = "/srv/wheelhouse"
 

@@ -139,7 +139,12 @@ def _build_project(dest: Path, progress: Progress) -> None:
         _pip("wheel", "--quiet", "--no-deps", "--no-build-isolation", "--wheel-dir", str(out), str(src),
              what="building the ddtree-runtime wheel")  # fmt: skip
         (wheel,) = out.glob("ddtree_runtime-*.whl")
+        # Copied in under a name pip ignores, then renamed over the old one: a lab host installing from
+        # the wheelhouse meanwhile (another test worker's lab) never finds the wheel missing or half written.
+        partial = dest / f".{wheel.name}.{os.getpid()}.partial"
+        shutil.copy2(wheel, partial)
+        os.replace(partial, dest / wheel.name)
         for old in dest.glob("ddtree_runtime-*.whl"):
-            old.unlink()
-        shutil.move(str(wheel), dest / wheel.name)
+            if old.name != wheel.name:
+                old.unlink()
     progress(f"wheelhouse: built {wheel.name} in {time.monotonic() - started:.0f} s")

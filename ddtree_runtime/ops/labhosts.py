@@ -284,6 +284,7 @@ def down(name: str = DEFAULT_NAME, *, progress: Progress = _say) -> None:
         _refuse_foreign(lab)
         _take_over_stale(lab, progress, any_name=False)
         hosts = _known_hosts_of(lab)
+        lab_nspawn.stop_all(hosts)
         for host in hosts:
             _remove_host(lab, host)
             progress(f"{host.name}: removed")

@@ -3,6 +3,8 @@
 `lab` brings a lab up once per session (name from DDTREE_LAB_NAME, default "test"; 3 hosts) with the
 real `ddtree lab up` command and takes it down at the end, unless DDTREE_LAB_KEEP=1 or another live
 test session is still using the same lab (sessions that share a checkout register under .lab/.users/).
+Under pytest-xdist every worker is a session with a lab of its own, NAME-gw0, NAME-gw1, ... (own
+subnet, hosts and inventory): the suites each worker runs never meet another worker's hosts.
 Without root or systemd-nspawn the lab tests skip, except under CI=true, where they must run.
 """
 
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_runtime.ops.lab_spec import Lab, lab_dir, repo_root
+from ddtree_runtime.ops.lab_spec import NAME_MAX, Lab, lab_dir, repo_root
 
 REPO = repo_root()
 BIN = Path(sys.executable).parent
@@ -124,6 +126,15 @@ class LabHandle:
         )  # fmt: skip
 
 
+def lab_name() -> str:
+    """DDTREE_LAB_NAME (default "test"), plus the xdist worker's id when there is one."""
+    base = os.environ.get("DDTREE_LAB_NAME", "test")
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # gw0, gw1, ...: set by pytest-xdist in its workers
+    if not worker:
+        return base
+    return f"{base[: NAME_MAX - len(worker) - 1]}-{worker}"
+
+
 def _users_dir(name: str) -> Path:
     return lab_dir() / ".users" / name
 
@@ -143,7 +154,7 @@ def _other_live_users(name: str) -> list[int]:
 @pytest.fixture(scope="session")
 def lab() -> Iterator[LabHandle]:
     require_lab()
-    name = os.environ.get("DDTREE_LAB_NAME", "test")
+    name = lab_name()
     users = _users_dir(name)
     users.mkdir(parents=True, exist_ok=True)
     (users / str(os.getpid())).touch()

@@ -20,6 +20,8 @@ import yaml
 
 from tests.lab.conftest import REPO, LabHandle
 
+# In a parallel run, one worker runs this module with the rest of tests/conftest.py's lab-engine group, in
+# file order on one lab: they share what a module deploys on ct129/ct130 (build A installs once).
 pytestmark = pytest.mark.lab
 
 CANARY, ROLLBACK = "ansible/canary.yml", "ansible/rollback.yml"

@@ -19,6 +19,8 @@ import pytest
 
 from ddtree_runtime.ops import fleet
 
+# In a parallel run, one worker runs this module with the rest of tests/conftest.py's lab-engine group, in
+# file order on one lab: they share what a module deploys on ct129/ct130 (build A installs once).
 pytestmark = pytest.mark.lab
 
 MEM_LINE = ("RuntimeError: Not enough memory. Please try to increase --mem-fraction-static. "

@@ -249,7 +249,9 @@ def test_a_stopped_host_powers_on_with_its_disk(lab: LabHandle) -> None:
     try:
         assert ddtree("lab", "up", "--name", spec.name, "--hosts", "1", timeout=600).returncode == 0
         marker = "/var/lib/ddtree-power-test"
-        ssh = spec.ssh_argv(host, f"echo before-the-cut > {marker} && sync && cat /etc/machine-id")
+        # `sync FILE` flushes the marker alone: a bare `sync` flushes every filesystem of the machine and
+        # waited past the timeout while the other worker's lab wrote release venvs (CI run, issue 24).
+        ssh = spec.ssh_argv(host, f"echo before-the-cut > {marker} && sync {marker} && cat /etc/machine-id")
         first = subprocess.run(ssh, capture_output=True, text=True, timeout=60)
         assert first.returncode == 0, first.stderr
         lab_nspawn.stop(host)

@@ -18,6 +18,8 @@ import pytest
 
 from tests.fixtures_models import write_full_checkpoint_pair
 
+# In a parallel run, one worker runs this module with the rest of tests/conftest.py's lab-engine group, in
+# file order on one lab: they share what a module deploys on ct129/ct130 (build A installs once).
 pytestmark = pytest.mark.lab
 
 HOST = "ct129"

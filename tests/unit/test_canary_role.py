@@ -10,7 +10,7 @@ import yaml
 from tests.unit._ansible import BIN, REPO, tool_env
 
 ROLE = REPO / "roles" / "sglang_canary"
-ENTRY_POINTS = {"main", "preflight", "fingerprint", "compare", "remove_shadow", "record"}
+ENTRY_POINTS = {"main", "preflight", "fingerprint", "compare", "remove_shadow", "record", "traffic"}
 
 
 def _load(path: str) -> dict:
@@ -59,8 +59,14 @@ def test_playbooks_parse(playbook, inventory):
 def test_canary_play_is_host_by_host_and_stops_everything_on_a_failure():
     plays = yaml.safe_load((REPO / "ansible/canary.yml").read_text())
     rollout = plays[1]
-    assert rollout["serial"] == [1, "100%"]
+    # The canary host alone, then the rest at once; one at a time behind a router (each leaves rotation).
+    assert rollout["serial"] == ("{{ canary_serial | default(1 if groups['sglang_routers'] | default([])"
+                                 " | length > 0 else [1, '100%']) }}")
     assert rollout["max_fail_percentage"] == 0 and rollout["any_errors_fatal"] is True
     assert all(play["any_errors_fatal"] is True for play in plays)
     block = rollout["tasks"][0]
     assert "block" in block and "rescue" in block
+    # An abort takes the shadow out of the routers before anything else (after noting what failed).
+    first, second = block["rescue"][:2]
+    assert "set_fact" in str(first) and second["block"][0]["ansible.builtin.include_role"] == {
+        "name": "sglang_rotation", "tasks_from": "remove_shadow"}

@@ -138,3 +138,30 @@ def test_table_shows_state_uptime_and_gpu_memory():
     for cell in ("active (running)", "1d2h", "shadow-small", "r-9", "118/140G"):
         assert cell in line
     assert Row(host="h", unit="u", reachable=True).to_dict()["probe_ok"] is None
+
+
+def test_routers_come_from_a_second_inventory_source_and_their_state_fills_the_rotation_column(
+        inventory: Path, tmp_path: Path):
+    overlay = tmp_path / "router-inv"
+    (overlay / "group_vars").mkdir(parents=True)
+    router_host = f"router1: {{ansible_host: 127.0.0.1, ansible_port: {_closed_port()}}}"
+    (overlay / "hosts.yml").write_text(
+        f"all:\n  children:\n    sglang_routers:\n      hosts:\n        {router_host}\n")
+    (overlay / "group_vars" / "sglang_routers.yml").write_text(
+        "sglang_router_workers: [ct129, ct130]\nsglang_router_port: 30090\n"
+        "sglang_router_control_key: \"{{ 'k' * 20 }}\"\n")
+    sources = [str(inventory), str(overlay)]
+    assert [t.name for t in load_targets(sources)] == ["ct129", "ct130", "ct131"]  # router-only host: no row
+    (router,) = fleet.load_routers(sources, timeout=2)
+    assert (router.target.name, router.port, router.key) == ("router1", 30090, "k" * 20)
+    assert router.members == (("ct129", "192.0.2.129"), ("ct130", "192.0.2.130"))
+    states = fleet.rotation_states([router])  # the router host does not answer: said per member
+    (cell,) = states["ct129"]
+    assert cell.startswith("router1: ? (root@127.0.0.1:") and "connection refused" in cell
+
+    facts = {"units": {"sglang-qwen": {"systemd": {"loaded": "loaded", "active": "active"}, "state": {}}}}
+    (row,) = fleet.rows_from_facts("ct129", facts, ["sglang-qwen"])
+    row.rotation = ["router1: out"]
+    header, line = fleet.format_table([row]).splitlines()
+    assert "ROTATION" in header.split() and "router1: out" in line
+    assert fleet.ROUTER_PORT == 30080

@@ -197,6 +197,9 @@ def test_a_value_that_would_split_or_expand_is_one_quoted_word():
         ({"rounds": 10**9}, "sglang_canary_rounds"),
         ({"min_accept_ratio": "nan"}, "sglang_canary_min_accept_ratio"),
         ({"require_equal_tokens": "flase"}, "sglang_canary_require_equal_tokens"),
+        ({"traffic_s": -1}, "sglang_canary_traffic_s"),
+        ({"traffic_requests": 0}, "sglang_canary_traffic_requests"),
+        ({"traffic_max_error_rate_increase": "inf"}, "sglang_canary_traffic_max_error_rate_increase"),
     ],
 )
 def test_canary_values_that_reach_a_shell_or_a_path_are_refused(override, variable):
@@ -211,6 +214,9 @@ def test_canary_values_that_reach_a_shell_or_a_path_are_refused(override, variab
         "max_latency_ratio": 1.5,
         "latency_slack_s": 0.1,
         "ready_timeout": 120,
+        "traffic_s": 300,
+        "traffic_requests": 20,
+        "traffic_max_error_rate_increase": 0.0,
         "require_equal_tokens": True,
         "prompts": [],
         "shadow_extra_flags": [],
@@ -225,6 +231,90 @@ def test_canary_values_that_reach_a_shell_or_a_path_are_refused(override, variab
     }
     assert rules.canary_problems(valid) == []
     assert _named(rules.canary_problems({**valid, **override}), variable)
+
+
+ROUTER: dict[str, Any] = {
+    "version": "0.3.2",
+    "install_source": "index",
+    "wheelhouse": "/srv/wheelhouse",
+    "pip_index_args": [],
+    "root": "/opt/sglang-router",
+    "python": "/usr/bin/python3",
+    "workers": ["ct129", "ct130"],
+    "worker_addresses": ["10.0.4.11", "fd00::12"],
+    "listen_address": "0.0.0.0",
+    "port": 30080,
+    "metrics_listen_address": "127.0.0.1",
+    "metrics_port": 29000,
+    "allowed_clients": ["10.0.4.0/24"],
+    "control_key": "a-control-key-of-24-chars",
+    "policy": "cache_aware",
+    "health_check_interval_s": 10,
+    "health_failure_threshold": 3,
+    "request_timeout_s": 1800,
+    "shutdown_grace_s": 180,
+    "worker_startup_timeout_s": 300,
+    "extra_flags": ["--log-level info"],
+    "user": "sglang-router",
+    "unit_dir": "/etc/systemd/system",
+    "env_dir": "/etc/sglang-router",
+    "state_dir": "/var/lib/sglang-router",
+}
+
+
+@pytest.mark.parametrize(
+    ("override", "variable"),
+    [
+        ({"version": "0.3.2; curl x | sh"}, "sglang_router_version"),
+        ({"root": "/opt/sglang-router/../../etc"}, "sglang_router_root"),
+        ({"wheelhouse": "srv/wheelhouse"}, "sglang_router_wheelhouse"),
+        ({"pip_index_args": ["--index-url http://x" + INJECT]}, "sglang_router_pip_index_args[0]"),
+        ({"listen_address": "0.0.0.0\nExecStartPre=/bin/sh"}, "sglang_router_listen_address"),
+        ({"port": 70000}, "sglang_router_port"),
+        ({"metrics_port": "29000\n"}, "sglang_router_metrics_port"),
+        ({"metrics_port": 30080}, "sglang_router_metrics_port"),
+        ({"allowed_clients": ["10.0.4.0/24 0.0.0.0/0"]}, "sglang_router_allowed_clients entry"),
+        ({"control_key": "a-control-key-of-24-chars" + INJECT}, "sglang_router_control_key"),
+        ({"control_key": "short"}, "sglang_router_control_key"),
+        ({"policy": "cache_aware --port 1"}, "sglang_router_policy"),
+        ({"health_check_interval_s": 0}, "sglang_router_health_check_interval_s"),
+        ({"shutdown_grace_s": "1e9"}, "sglang_router_shutdown_grace_s"),
+        ({"extra_flags": ["--log-level info" + INJECT]}, "sglang_router_extra_flags[0]"),
+        ({"extra_flags": ["--host=10.9.9.9"]}, "sglang_router_extra_flags[0]"),
+        ({"extra_flags": ["--worker-urls http://10.9.9.9:1"]}, "sglang_router_extra_flags[0]"),
+        ({"user": "root"}, "sglang_router_user"),
+        ({"workers": ["ct129\nct130"]}, "sglang_router_workers[0]"),
+        ({"worker_addresses": ["ct129.example"]}, "sglang_router_workers[0]'s address"),
+    ],
+)
+def test_router_values_that_reach_its_unit_or_pip_are_refused(override, variable):
+    assert rules.router_problems(ROUTER) == []
+    problems = rules.router_problems({**ROUTER, **override})
+    assert _named(problems, variable), problems
+    assert not any("a-control-key" in p or "short" in p for p in problems)  # the key never shows
+
+
+@pytest.mark.parametrize(
+    ("override", "variable"),
+    [
+        ({"enabled": "flase"}, "sglang_rotation_enabled"),
+        ({"worker_address": "10.0.4.11/../x"}, "sglang_rotation_worker_address"),
+        ({"worker_address": "ct129"}, "sglang_rotation_worker_address"),
+        ({"local_address": "127.0.0.1@evil"}, "sglang_rotation_local_address"),
+        ({"port": 0}, "sglang_rotation_port"),
+        ({"unit": "sglang-qwen; reboot"}, "sglang_rotation_unit"),
+        ({"state_dir": "/var/lib/ddtree/state/.."}, "sglang_rotation_state_dir"),
+        ({"drain_timeout": -1}, "sglang_rotation_drain_timeout"),
+        ({"api_timeout": "10s"}, "sglang_rotation_api_timeout"),
+    ],
+)
+def test_rotation_values_that_reach_a_router_or_a_wait_are_refused(override, variable):
+    valid = {"enabled": True, "allow_single_host_downtime": "yes", "routers": ["ct131"],
+             "worker_address": "10.0.4.11", "local_address": "127.0.0.1", "port": "30000",
+             "shadow_port": 30001, "unit": "sglang-qwen", "state_dir": "/var/lib/ddtree/state",
+             "drain_timeout": 600, "join_timeout": 120, "api_timeout": 10}  # fmt: skip
+    assert rules.rotation_problems(valid) == []
+    assert _named(rules.rotation_problems({**valid, **override}), variable)
 
 
 @pytest.mark.parametrize(

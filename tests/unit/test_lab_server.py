@@ -369,11 +369,18 @@ def _sigterm_drains(srv: LabServerProcess) -> None:
     while srv.log.count("Prefill batch") == before and time.monotonic() < deadline:
         time.sleep(0.01)
     srv.proc.send_signal(signal.SIGTERM)
+    while "Received SIGTERM" not in srv.log and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # As SGLang 0.5.23: health answers 503 while it drains, a new request is still served.
+    short = {"text": "a", "sampling_params": {"max_new_tokens": 2}}
+    during = {"health": http(srv.url + "/health", timeout=10)[0] if t.is_alive() else None,
+              "new": _json(http(srv.url + "/generate", short)) if t.is_alive() else None}
     t.join(60)
     assert srv.wait_exit(30) == 0, srv.log
     status, out = got["resp"]
     assert status == 200 and out["meta_info"]["completion_tokens"] == 150
     assert "Received SIGTERM" in srv.log
+    assert during["health"] == 503 and during["new"][0] == 200, (during, srv.log)
 
 
 # ---------------------------------------------------------------------------- flags

@@ -7,7 +7,7 @@ import yaml
 
 from tests.unit._ansible import REPO
 
-ROLES = ("ddtree_runtime", "sglang_service", "ddtree_probe")
+ROLES = ("ddtree_runtime", "sglang_service", "ddtree_probe", "sglang_router", "sglang_rotation")
 
 
 def load(role: str, path: str) -> dict:
