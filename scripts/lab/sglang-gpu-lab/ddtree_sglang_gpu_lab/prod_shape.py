@@ -19,39 +19,32 @@ import struct
 from pathlib import Path
 from typing import Any
 
+# The project's one statement of Qwen3.6-27B's shape (from ddtree-algorithm.md): this case runs from the
+# checkout, which device.sh puts first on PYTHONPATH.
+from tests.fixtures_models import QWEN36_27B_DRAFT, QWEN36_27B_TARGET
+
+TARGET_GEOMETRY = (
+    "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "full_attention_interval", "layer_types", "linear_conv_kernel_dim", "linear_key_head_dim",
+    "linear_value_head_dim", "linear_num_key_heads", "linear_num_value_heads", "vocab_size",
+)  # fmt: skip
+DRAFT_GEOMETRY = (
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "intermediate_size", "num_target_layers", "vocab_size",
+)  # fmt: skip
 TARGET = {
-    "hidden_size": 5120,
-    "num_hidden_layers": 64,
-    "intermediate_size": 17408,
-    "num_attention_heads": 24,
-    "num_key_value_heads": 4,
-    "head_dim": 256,
-    "full_attention_interval": 4,
-    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 16,
-    "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-    "linear_num_key_heads": 16,
-    "linear_num_value_heads": 48,
-    "vocab_size": 248320,
+    **{k: QWEN36_27B_TARGET["text_config"][k] for k in TARGET_GEOMETRY},
     "attn_output_gate": True,
     "partial_rotary_factor": 0.25,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0},
     "rope_theta": 10000000.0,
 }
 DRAFT = {
-    "hidden_size": 5120,
-    "num_hidden_layers": 5,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "intermediate_size": 17408,
-    "num_target_layers": 64,
-    "vocab_size": 248320,
-    "layer_types": ["full_attention"] * 5,
+    **{k: QWEN36_27B_DRAFT[k] for k in DRAFT_GEOMETRY},
+    "layer_types": ["full_attention"] * QWEN36_27B_DRAFT["num_hidden_layers"],
     "rope_theta": 10000000.0,
 }
-TARGET_LAYER_IDS = [1, 16, 31, 46, 61]
+TARGET_LAYER_IDS = QWEN36_27B_DRAFT["dflash_config"]["target_layer_ids"]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
 
 
