@@ -72,16 +72,11 @@ def issuing_frame(call: dict[str, Any], frames: dict[Any, tuple[list[float], lis
     """The innermost plugin or SGLang frame enclosing ``call`` on its thread ('?' without a stack)."""
     starts, evs = frames.get((call.get("pid"), call.get("tid")), ([], []))
     end = call["ts"] + call.get("dur", 0)
-    i = bisect.bisect_right(starts, call["ts"]) - 1
-    scanned = 0
-    while i >= 0 and scanned < 50000:
-        f = evs[i]
-        if f["ts"] + f.get("dur", 0) >= end and OWN_FRAME.search(f["name"]):
-            match = OWN_FRAME.search(f["name"])
-            assert match is not None
+    last = bisect.bisect_right(starts, call["ts"]) - 1
+    for f in reversed(evs[max(0, last - 50000) : last + 1]):  # nearest start first: the innermost
+        match = OWN_FRAME.search(f["name"])
+        if match and f["ts"] + f.get("dur", 0) >= end:
             return f["name"][match.start() :]
-        i -= 1
-        scanned += 1
     return "?"
 
 
