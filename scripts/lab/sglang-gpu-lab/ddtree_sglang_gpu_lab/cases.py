@@ -319,9 +319,9 @@ def run_prod(models: Path, log_dir: Path) -> None:
         if not isinstance(server, GpuServer):
             continue
         try:
+            pool = [ln[-300:] for ln in server.log.splitlines() if "max_total_num_tokens" in ln]
             emit({"case": "prod_start", "server": spec.name, "ready_s": server.ready_seconds,
-                  "pool": [ln[-300:] for ln in server.log.splitlines() if "max_total_num_tokens" in ln
-                           or ("mamba" in ln.lower() and "cache" in ln.lower())][-3:]})  # fmt: skip
+                  "pool": pool[-1:]})  # fmt: skip
             rows = {}
             if os.environ.get("DDTREE_GPU_LAB_PROD_BENCH", "1") == "1":
                 rows = bench_server(
