@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import heapq
-import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +48,7 @@ __all__ = [
     "stable_topk",
     "topk_log_probs",
     "verify_attention_mask",
+    "verify_attention_mask_flat",
     "walk_greedy",
     "walk_posterior",
     "walk_sample",
@@ -103,11 +103,15 @@ def stable_topk(values: Tensor, k: int) -> tuple[Tensor, Tensor]:
     tied = values == kth
     room = k - above.sum(dim=-1, keepdim=True)
     selected = above | (tied & (torch.cumsum(tied, dim=-1) <= room))
-    rows = values.shape[:-1]
-    ids = selected.reshape(-1, values.shape[-1]).nonzero()[:, 1]  # row-major: ids ascending
-    if ids.numel() != k * math.prod(rows):
-        raise ValueError("draft_logits contain NaN: cannot rank the draft tokens")
-    ids = ids.reshape(*rows, k)
+    # NaN selects fewer than k. An asynchronous assert: on CUDA a device-side check, not a host read.
+    torch._assert_async(
+        (selected.sum(dim=-1) == k).all(), "draft_logits contain NaN: cannot rank the draft tokens"
+    )
+    # The k selected ids in ascending order, without a host read (``nonzero`` would sync the
+    # device): the largest keys n - id are the selected ids, smallest first.
+    n = values.shape[-1]
+    key = torch.where(selected, n - torch.arange(n, device=values.device), 0)
+    ids = torch.topk(key, k, dim=-1, largest=True, sorted=True).indices
     top = values.gather(-1, ids)
     by_value = torch.argsort(-top, dim=-1, stable=True)
     return top.gather(-1, by_value), ids.gather(-1, by_value)
@@ -334,18 +338,19 @@ def _reference_build_tree(
 # Compile
 
 
-def _ancestor_matrix(parents: Tensor) -> Tensor:
-    """[b, N, N] bool, row i = ancestors of i and i itself (pointer chasing, one step per depth)."""
+def _ancestor_matrix(parents: Tensor, max_depth: int | None = None) -> Tensor:
+    """[b, N, N] bool, row i = ancestors of i and i itself (pointer chasing, one step per depth).
+
+    A fixed number of steps (``max_depth``, else N) and no boolean selection: no host read."""
     b, n = parents.shape
     device = parents.device
     vis = torch.eye(n, dtype=torch.bool, device=device).expand(b, n, n).clone()
-    rows = torch.arange(n, device=device).expand(b, n)
     cur = parents.clone()
-    for _ in range(n):  # terminates after max depth steps; n bounds it
+    for _ in range(n if max_depth is None else min(max_depth, n)):
         live = cur >= 0
-        if not bool(live.any()):
-            break
-        vis[live.nonzero(as_tuple=True)[0], rows[live], cur[live]] = True
+        # Dead rows write their own diagonal (already True) instead of being selected out.
+        col = torch.where(live, cur, torch.arange(n, device=device).expand(b, n))
+        vis.scatter_(2, col.unsqueeze(2), True)
         cur = torch.where(live, parents.gather(1, cur.clamp(min=0)), cur)
     return vis
 
@@ -391,7 +396,7 @@ def compile_tree(tree: DraftTree, root_tokens: Tensor, prefix_lens: Tensor) -> V
     return VerifyInputs(
         input_ids=input_ids,
         positions=positions,
-        visibility=_ancestor_matrix(tree.parents),
+        visibility=_ancestor_matrix(tree.parents, tree.horizon),
         retrieve_index=torch.arange(b * rows, device=device).reshape(b, rows),
         retrieve_next_token=first_child,
         retrieve_next_sibling=next_sibling,
@@ -413,6 +418,26 @@ def verify_attention_mask(inputs: VerifyInputs, prefix_lens: Tensor) -> list[Ten
         prefix = torch.ones((rows, int(plen)), dtype=torch.bool, device=inputs.visibility.device)
         masks.append(torch.cat([prefix, inputs.visibility[i]], dim=1))
     return masks
+
+
+def verify_attention_mask_flat(inputs: VerifyInputs, prefix_lens: Tensor, cells: int) -> Tensor:
+    """:func:`verify_attention_mask`'s masks flattened and concatenated, as a fixed ``[cells]``
+    bool tensor: request r's ``[B+1, prefix_r + B+1]`` block starts at the exclusive cumsum of the
+    blocks before it, computed on the device (as SGLang's Triton backend computes ``mask_indptr``
+    from ``seq_lens``). ``cells`` is a host-side upper bound of the total (from reserved lengths),
+    so nothing is read back; cells past the real total stay True and are never read."""
+    vis = inputs.visibility
+    b, rows, _ = vis.shape
+    device = vis.device
+    prefix = torch.as_tensor(prefix_lens, device=device).long().reshape(b)
+    width = prefix + rows  # [b] row length of each request's block
+    start = torch.cumsum(rows * width, 0) - rows * width  # [b] block offsets
+    r = torch.arange(rows, device=device)
+    # Cell (i, prefix + j) of request q: start_q + i * width_q + prefix_q + j.
+    row_start = start.view(b, 1, 1) + r.view(1, rows, 1) * width.view(b, 1, 1)
+    at = row_start + prefix.view(b, 1, 1) + r.view(1, 1, rows)
+    flat = torch.ones(cells, dtype=torch.bool, device=device)
+    return flat.scatter_(0, at.reshape(-1), vis.reshape(-1))
 
 
 # --------------------------------------------------------------------------------------------
@@ -487,7 +512,10 @@ def walk_sample(
     check_rows(tree, target_probs, "target_probs")
     b, rows, vocab = target_probs.shape
     flat = target_probs.reshape(b * rows, vocab).float()
-    samples = torch.multinomial(flat, 1, generator=generator).reshape(b, rows)
+    # torch.multinomial's own one-sample draw, argmax(p / Exp(1)) (the same draws for the same
+    # generator), without its host-side validity check, which syncs the device every round.
+    race = torch.empty_like(flat).exponential_(1, generator=generator)
+    samples = torch.argmax(flat / race, dim=-1).reshape(b, rows)
     return walk_posterior(tree, samples)
 
 

@@ -23,6 +23,7 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import draft_tp_context
 from torch import Tensor
 
+from ddtree_runtime.sglang_plugin.bounds import host_length_bound
 from ddtree_runtime.sglang_plugin.draft_head import draft_head
 from ddtree_runtime.sglang_plugin.hybrid import DDTreeVerifyInput
 from ddtree_runtime.sglang_plugin.tree_step import TreeVerifyBatch
@@ -52,14 +53,16 @@ class SGLangRoundModels:
         if w._noise_embed_scale != 1.0:
             embeds = embeds * w._noise_embed_scale
         prefix = batch.seq_lens
+        # Host sizes from bounds, never from the device (DFlashWorkerV2's decode does the same):
+        # under the overlap scheduler batch.seq_lens_cpu is None and the reserved lengths stand in.
+        seq_lens_cpu, seq_lens_sum = host_length_bound(batch, block)
         plan = w.target_worker.model_runner.kv_index_translator.plan(
             req_pool_indices=req_pool_indices,
             seq_lens=prefix,
-            seq_lens_cpu=batch.seq_lens_cpu,
+            seq_lens_cpu=seq_lens_cpu,
             write_virtual=cache_loc,
             read_extent=block,
         )
-        seq_lens_cpu = (batch.seq_lens_cpu + block) if batch.seq_lens_cpu is not None else None
         forward_batch = ForwardBatch(
             forward_mode=ForwardMode.TARGET_VERIFY,
             batch_size=bs,
@@ -67,9 +70,7 @@ class SGLangRoundModels:
             req_pool_indices=req_pool_indices,
             seq_lens=prefix,
             out_cache_loc=cache_loc,
-            seq_lens_sum=(
-                int(seq_lens_cpu.sum()) if seq_lens_cpu is not None else int(prefix.sum()) + bs * block
-            ),
+            seq_lens_sum=seq_lens_sum,
             seq_lens_cpu=seq_lens_cpu,
             positions=positions.reshape(-1),
             input_embeds=embeds.view(-1, embeds.shape[-1]),
@@ -108,10 +109,11 @@ class SGLangRoundModels:
     ) -> tuple[Tensor, Tensor | None]:
         w, batch = self.worker, self.batch
         rows = plan.draft_token_num
+        seq_lens_cpu, seq_lens_sum = host_length_bound(batch, rows)
         kv_plan = w.target_worker.model_runner.kv_index_translator.plan(
             req_pool_indices=req_pool_indices,
             seq_lens=batch.seq_lens,
-            seq_lens_cpu=batch.seq_lens_cpu,
+            seq_lens_cpu=seq_lens_cpu,
             write_virtual=cache_loc,
             read_extent=rows,
         )
@@ -128,9 +130,7 @@ class SGLangRoundModels:
         )
         batch.out_cache_loc = cache_loc
         saved = batch.seq_lens_cpu, batch.seq_lens_sum
-        if batch.seq_lens_cpu is not None:
-            batch.seq_lens_cpu = batch.seq_lens_cpu + rows
-            batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+        batch.seq_lens_cpu, batch.seq_lens_sum = seq_lens_cpu, seq_lens_sum  # host bounds for the verify
         # The batch goes into the target-verify graph's static buffers here when a graph was
         # captured for this width and batch size (graph_sites: captured with the tree mask and
         # the GDN tree kernels), else the attention metadata is planned eagerly: either way the
@@ -157,7 +157,14 @@ class SGLangRoundModels:
         return logits, hidden
 
     # --- drafter context: accepted rows by node index ---------------------------------------
-    def append_draft_context(self, hidden: Tensor, cache_loc: Tensor, positions: Tensor) -> None:
+    def append_draft_context(
+        self, hidden: Tensor, cache_loc_2d: Tensor, positions: Tensor, commit_lens: Tensor
+    ) -> None:
+        # DFlash's prefix-valid writer: dense [b, L+1] slots + commit_lens, no packed index tensor.
         self.worker._append_target_hidden_to_draft_kv_by_loc(
-            target_hidden=hidden, cache_loc=cache_loc, positions=positions
+            target_hidden=hidden,
+            cache_loc=cache_loc_2d.reshape(-1),
+            cache_loc_2d=cache_loc_2d,
+            positions=positions,
+            commit_lens=commit_lens,
         )

@@ -14,9 +14,13 @@ The round (ddtree-algorithm.md section 3) is the same whatever runs the models:
 5. stop tokens truncate the emitted tokens (and with them the committed rows); on a hybrid
    target the accepted node's recurrent state is committed now (``commit_state``), before any
    other target forward;
-6. the accepted rows' KV become the next logical rows (``tree_commit``);
+6. the accepted rows' KV move to the next logical rows' slots (``tree_commit``; ``req_to_token``
+   is never written), and the new lengths are published (``on_lengths``);
 7. the drafter gets the target hidden states of the accepted rows gathered by NODE INDEX (never
    a contiguous prefix of the verify rows), appended to its KV at consecutive positions.
+
+Every step has shapes fixed by (batch, budget, block) and reads nothing back to the host, so the
+round meets SGLang's overlap contract (the scheduler prepares round n+1 while round n runs).
 
 ``RoundModels`` is the seam: the worker implements it with SGLang's model runners on GPU; tests
 implement it with a toy model on CPU. Pools, tree, walk, commit and gather are the real code.
@@ -32,7 +36,7 @@ import torch
 from torch import Tensor
 
 from ddtree_runtime.contract import ContractError, HiddenContract, check_hidden_states
-from ddtree_runtime.sglang_plugin.tree_commit import KVCommit, commit_accepted_kv
+from ddtree_runtime.sglang_plugin.tree_commit import KVCommit, commit_accepted_kv, window_slots
 from ddtree_runtime.sglang_plugin.tree_step import (
     TreeAccept,
     TreeVerifyBatch,
@@ -57,8 +61,12 @@ class RoundModels(Protocol):
         """Target over the tree rows (tokens, positions, mask in ``plan``; KV written at
         ``cache_loc [b * (B+1)]``) -> (logits ``[b * (B+1), V]``, hidden ``[b * (B+1), W]``)."""
 
-    def append_draft_context(self, hidden: Tensor, cache_loc: Tensor, positions: Tensor) -> None:
-        """Project ``hidden [n, W]`` into the drafter's KV at ``cache_loc [n]``, ``positions [n]``."""
+    def append_draft_context(
+        self, hidden: Tensor, cache_loc_2d: Tensor, positions: Tensor, commit_lens: Tensor
+    ) -> None:
+        """Project ``hidden [b * S, W]`` into the drafter's KV at ``cache_loc_2d [b, S]``,
+        ``positions [b * S]`` (row-major), writing only request r's first ``commit_lens[r]`` rows
+        (DFlash's prefix-valid writer: fixed shapes, no variable-length selection)."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,9 @@ class RoundInput:
     top_ks: Tensor | None = None  # [b] (T > 0 rows only)
     top_ps: Tensor | None = None  # [b]
     stop_token_ids: tuple[frozenset[int], ...] | None = None  # per request
+    # Host-side bound of the flat verify mask (reserved lengths): the mask is then written at
+    # device-computed offsets and the round reads nothing back (tree_step.plan_tree_verify).
+    mask_cells: int | None = None
 
 
 @dataclass(frozen=True)
@@ -101,7 +112,7 @@ class RoundOutput:
     plan: TreeVerifyBatch
     accept: TreeAccept
     kv: KVCommit
-    draft_context_rows: Tensor  # flat verify rows whose hidden states the drafter got
+    draft_context_rows: Tensor  # [b, L+1] flat verify rows the drafter got (first commit_lens rows)
 
 
 def check_verify_hidden(hidden: Tensor | None, rows: int, contract: HiddenContract | None) -> None:
@@ -158,11 +169,13 @@ def walk_round(
     top_ps: Tensor | None = None,
     generator: torch.Generator | None = None,
 ) -> WalkResult:
-    """Greedy at T = 0; at T > 0 the lossless sampling walk (``walk_sample``: the target's processed
-    distribution sampled at each visited node; rows with T = 0 take the argmax)."""
+    """Greedy when ``temperatures`` is None (the caller's host flag: SGLang's
+    ``sampling_info.is_all_greedy``; deciding it from the tensor would read the device); otherwise
+    the lossless sampling walk (``walk_sample``: the target's processed distribution sampled at
+    each visited node; rows with T = 0 take the argmax)."""
     b, rows = plan.candidates.shape
     logits = target_logits.reshape(b, rows, -1)
-    if temperatures is None or not bool((temperatures > 0).any()):
+    if temperatures is None:
         return walk_greedy(plan.tree, logits)
     temps = temperatures.to(logits.device).float()
     probs = processed_probs(logits, temps, top_ks, top_ps)
@@ -218,7 +231,9 @@ def _stop_table(stops: tuple[frozenset[int], ...], device: torch.device) -> Tens
         for r, ids in enumerate(stops):
             if ids:
                 host[r, : len(ids)] = torch.tensor(sorted(ids), dtype=torch.long)
-        table = host.to(device)
+        if device.type == "cuda":
+            host = host.pin_memory()  # a pageable copy would wait for the device
+        table = host.to(device, non_blocking=True)
         _stop_tables.clear()  # one batch composition at a time
         _stop_tables[key] = table
     return table
@@ -236,34 +251,44 @@ def run_tree_round(
     generator: torch.Generator | None = None,
     on_hidden: Callable[[Tensor | None], None] | None = None,
     commit_state: Callable[[Tensor, Tensor], None] | None = None,
+    on_lengths: Callable[[Tensor], None] | None = None,
 ) -> RoundOutput:
     """One decode round for a batch (see module docstring). ``release``: see ``tree_commit``.
     ``commit_state(accept_index [b, L+1], commit_lens [b])``: hybrid targets' recurrent-state
-    commit of the accepted rows (flat verify rows, -1 padded), called right after the walk."""
+    commit of the accepted rows (flat verify rows, -1 padded), called right after the walk.
+    ``on_lengths(new_seq_lens)``: called as soon as the lengths are final, before the drafter's
+    context append (SGLang's ``on_publish``, which lets the overlap scheduler go on).
+
+    With ``inp.mask_cells`` set (and no ``release``) nothing in the round reads the device: every
+    shape is fixed by the batch, the budget and the block (tests/sglang/test_tree_round_sync.py)."""
     device = req_to_token.device
     idx = inp.req_pool_indices.long().to(device)
     prefix = inp.prefix_lens.long().to(device)
     b = idx.shape[0]
     block = cfg.block_size
+    rows = cfg.verify_rows
+    # The window's slots, read once and before the verify: afterwards the scheduler may hand a
+    # finished request's req_to_token row to another request (tree_commit).
+    slots = window_slots(req_to_token, idx, prefix, cfg.write_window)
 
     # 1) drafter block: [bonus, MASK x L] at prefix .. prefix + block - 1
     block_ids = torch.full((b, block), cfg.mask_token_id, dtype=torch.long, device=device)
     block_ids[:, 0] = inp.bonus_tokens.to(device)
     block_pos = prefix.unsqueeze(1) + torch.arange(block, device=device)
-    block_loc = req_to_token[idx.unsqueeze(1), block_pos].long()
-    draft_logits = models.draft_block(block_ids, block_pos, block_loc.reshape(-1), idx)
+    draft_logits = models.draft_block(block_ids, block_pos, slots[:, :block].reshape(-1), idx)
 
     # 2) tree + verify arrays
     plan = plan_tree_verify(
-        draft_position_logits(draft_logits, b), block_ids[:, 0], prefix, cfg.budget, topk_cap=cfg.topk_cap
+        draft_position_logits(draft_logits, b),
+        block_ids[:, 0],
+        prefix,
+        cfg.budget,
+        topk_cap=cfg.topk_cap,
+        mask_cells=inp.mask_cells,
     )
 
     # 3) target verify + hidden guard
-    rows = cfg.verify_rows
-    verify_loc = req_to_token[
-        idx.unsqueeze(1), prefix.unsqueeze(1) + torch.arange(rows, device=device)
-    ].long()
-    target_logits, hidden = models.target_verify(plan, verify_loc.reshape(-1), idx)
+    target_logits, hidden = models.target_verify(plan, slots[:, :rows].reshape(-1), idx)
     if on_hidden is not None:
         on_hidden(hidden)
     check_verify_hidden(hidden, b * rows, contract)
@@ -284,22 +309,25 @@ def run_tree_round(
     # 6) KV commit
     kv = commit_accepted_kv(
         walk,
-        req_to_token=req_to_token,
-        req_pool_indices=idx,
+        slots=slots,
         prefix_lens=prefix,
         kv_pool=kv_pool,
         page_size=cfg.page_size,
-        window=cfg.write_window,
+        req_to_token=req_to_token,
+        req_pool_indices=idx,
         release=release,
     )
+    if on_lengths is not None:
+        on_lengths(kv.new_seq_lens)
 
-    # 7) drafter context: accepted rows by node index, at consecutive positions
-    context_rows = accept_index[accept_index >= 0]
+    # 7) drafter context: accepted rows by node index (padding clamped to a real row and not
+    # written: the prefix-valid writer stops at commit_lens), at consecutive positions
+    context_rows = accept_index.clamp(min=0)
     steps = walk.accepted.shape[1]
-    live = walk.accepted >= 0
-    positions = (prefix.unsqueeze(1) + torch.arange(steps, device=device).expand(b, steps))[live]
+    positions = prefix.unsqueeze(1) + torch.arange(steps, device=device)
     assert hidden is not None  # checked above
-    models.append_draft_context(hidden.index_select(0, context_rows), kv.committed_slots[live], positions)
+    context = hidden.index_select(0, context_rows.reshape(-1))
+    models.append_draft_context(context, kv.window_slots, positions.reshape(-1), walk.num_emitted)
 
     return RoundOutput(
         out_tokens=walk.emitted,

@@ -28,6 +28,7 @@ from ddtree_runtime.tree import (
     build_tree_from_topk,
     compile_tree,
     verify_attention_mask,
+    verify_attention_mask_flat,
     walk_posterior,
 )
 
@@ -39,7 +40,7 @@ class TreeVerifyBatch:
     candidates: Tensor  # [b, B+1] int64
     draft_token: Tensor  # [b*(B+1)] int64
     positions: Tensor  # [b*(B+1)] int64
-    custom_mask: Tensor  # flat bool, sum over requests of (B+1) * (prefix + B+1)
+    custom_mask: Tensor  # flat bool, sum over requests of (B+1) * (prefix + B+1) (or a bound, True-padded)
     retrieve_index: Tensor  # [b, B+1]
     retrieve_next_token: Tensor  # [b, B+1]
     retrieve_next_sibling: Tensor  # [b, B+1]
@@ -84,22 +85,31 @@ def plan_tree_verify(
     budget: int,
     *,
     topk_cap: int | None = None,
+    mask_cells: int | None = None,
 ) -> TreeVerifyBatch:
     """Build each request's tree and the verify inputs SGLang's target forward takes, from the
-    per-depth logits ``[b, L, V]`` or their top-K and logsumexp (``DraftTopK [b, L, K]``)."""
+    per-depth logits ``[b, L, V]`` or their top-K and logsumexp (``DraftTopK [b, L, K]``).
+
+    ``mask_cells``: a host-side upper bound of the flat mask's size (from reserved lengths); the
+    mask is then a fixed ``[mask_cells]`` tensor written at device-computed offsets and nothing is
+    read back (the overlap scheduler's contract). Without it the mask is sized from the prefix
+    lengths, read to the host."""
     if isinstance(draft_logits, DraftTopK):
         tree = build_tree_from_topk(draft_logits, budget, topk_cap=topk_cap)
     else:
         tree = build_tree(draft_logits, budget, topk_cap=topk_cap)
     inputs = compile_tree(tree, root_tokens, prefix_lens)
-    masks = verify_attention_mask(inputs, prefix_lens)
+    if mask_cells is not None:
+        custom_mask = verify_attention_mask_flat(inputs, prefix_lens, mask_cells)
+    else:
+        custom_mask = torch.cat([m.reshape(-1) for m in verify_attention_mask(inputs, prefix_lens)])
     return TreeVerifyBatch(
         tree=tree,
         inputs=inputs,
         candidates=inputs.input_ids,
         draft_token=inputs.input_ids.reshape(-1),
         positions=inputs.positions.reshape(-1),
-        custom_mask=torch.cat([m.reshape(-1) for m in masks]),
+        custom_mask=custom_mask,
         retrieve_index=inputs.retrieve_index,
         retrieve_next_token=inputs.retrieve_next_token,
         retrieve_next_sibling=inputs.retrieve_next_sibling,

@@ -36,6 +36,7 @@ from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
 from ddtree_runtime.contract import ContractError, HiddenContract, check_hidden_states, load_contract
 from ddtree_runtime.sglang_plugin.algorithm import is_chain, published_settings, resolved_settings
+from ddtree_runtime.sglang_plugin.bounds import verify_mask_cells
 from ddtree_runtime.sglang_plugin.gates import GDN, DDTreeConfigError, hybrid_kind, kind_note
 from ddtree_runtime.sglang_plugin.handshake import HandshakeMetrics, HandshakeState, static_handshake
 
@@ -301,6 +302,10 @@ class DDTreeWorker(DFlashWorkerV2):
             topk_cap=settings["topk_cap"],
             window=int(self.speculative_num_draft_tokens),  # the reservation the round writes
         )
+        if batch.seq_lens.is_cuda:
+            # Carried over from the previous overlap iteration, possibly made on another stream
+            # (as DFlashWorkerV2's decode does).
+            batch.seq_lens.record_stream(torch.cuda.current_stream(batch.seq_lens.device))
         models = self._round_models(batch)
         commit_state = None
         if getattr(self, "_need_mamba_verify_commit", False):
@@ -313,16 +318,17 @@ class DDTreeWorker(DFlashWorkerV2):
 
         result = run_tree_round(
             models,
-            round_input(batch, draft_input.bonus_tokens),
+            round_input(batch, draft_input.bonus_tokens, mask_cells=verify_mask_cells(batch, cfg, runner)),
             cfg,
             req_to_token=runner.req_to_token_pool.req_to_token,
             kv_pool=runner.token_to_kv_pool,
             contract=self._ddtree_contract,
             on_hidden=self._observe_hidden,
             commit_state=commit_state,
+            # Published as soon as the lengths are final, before the drafter's context append
+            # (DFlashWorkerV2 does the same): the overlap scheduler's next resolve may go on.
+            on_lengths=on_publish,
         )
-        if on_publish is not None:
-            on_publish(result.new_seq_lens)
         next_draft_input = self._make_next_draft_input_decode(
             bonus_tokens=result.bonus_tokens, new_seq_lens=result.new_seq_lens
         )
@@ -363,14 +369,16 @@ def add_tree_logprobs(batch: Any, logits_output: Any, out_tokens: Any, accept_in
     from sglang.srt.layers.logprob_processor import compute_spec_logprobs
 
     rows = logits_output.next_token_logits.shape[0]
-    predict = torch.zeros(rows, dtype=torch.long, device=out_tokens.device)
-    valid = accept_index >= 0
-    predict[accept_index[valid]] = out_tokens[valid].long()
-    compute_spec_logprobs(batch, logits_output, predict, accept_index=accept_index)
+    # A scatter with padding sent to a spare last row, not a boolean selection (a host read).
+    at = torch.where(accept_index >= 0, accept_index, rows).reshape(-1).long()
+    predict = torch.zeros(rows + 1, dtype=torch.long, device=out_tokens.device)
+    predict.scatter_(0, at, out_tokens.reshape(-1).long())
+    compute_spec_logprobs(batch, logits_output, predict[:rows], accept_index=accept_index)
 
 
-def round_input(batch: Any, bonus_tokens: Any) -> Any:
-    """``RoundInput`` from a ScheduleBatch: prefix, bonus, per-request sampling and stop tokens."""
+def round_input(batch: Any, bonus_tokens: Any, mask_cells: int | None = None) -> Any:
+    """``RoundInput`` from a ScheduleBatch: prefix, bonus, per-request sampling and stop tokens.
+    Greedy is SGLang's host flag ``is_all_greedy`` (temperatures None), never read from tensors."""
     from ddtree_runtime.sglang_plugin.tree_round import RoundInput
 
     info = batch.sampling_info
@@ -388,6 +396,7 @@ def round_input(batch: Any, bonus_tokens: Any) -> Any:
         top_ks=top_ks,
         top_ps=top_ps,
         stop_token_ids=tuple(stop_ids(req) for req in batch.reqs),
+        mask_cells=mask_cells,
     )
 
 

@@ -238,7 +238,7 @@ class HybridToyModels(ToyModels):
         cache = self.pool.mamba_pool.mamba_cache
         cache.conv[0][GDN_LAYER, slot] = window
         cache.temporal[GDN_LAYER, slot] = state.transpose(-1, -2)  # SGLang's [HV, V, K]
-        self.append_draft_context(torch.stack(hidden), loc.long(), torch.arange(n))
+        self.write_draft_context(torch.stack(hidden), loc.long(), torch.arange(n))
         return int(torch.stack(logits)[-1].argmax())
 
     def target_verify(self, plan, cache_loc: Tensor, req_pool_indices: Tensor):

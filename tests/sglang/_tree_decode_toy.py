@@ -151,7 +151,7 @@ class ToyModels:
         logits, hidden = self.target.forward_pool(
             torch.tensor(prompt), pos, loc, [loc[: i + 1] for i in range(n)], self.target_kv
         )
-        self.append_draft_context(hidden, loc.long(), pos)
+        self.write_draft_context(hidden, loc.long(), pos)
         return int(logits[-1].argmax())
 
     # --- RoundModels ------------------------------------------------------------------------
@@ -203,7 +203,15 @@ class ToyModels:
             return logits, self.hidden_override
         return logits, hidden
 
-    def append_draft_context(self, hidden: Tensor, cache_loc: Tensor, positions: Tensor) -> None:
+    def append_draft_context(
+        self, hidden: Tensor, cache_loc_2d: Tensor, positions: Tensor, commit_lens: Tensor
+    ) -> None:
+        """The prefix-valid writer's contract: request r's first ``commit_lens[r]`` rows only."""
+        b, width = cache_loc_2d.shape
+        keep = (torch.arange(width).expand(b, width) < commit_lens.unsqueeze(1)).reshape(-1)
+        self.write_draft_context(hidden[keep], cache_loc_2d.reshape(-1)[keep], positions[keep])
+
+    def write_draft_context(self, hidden: Tensor, cache_loc: Tensor, positions: Tensor) -> None:
         self.draft_kv.set_kv_buffer(
             None, cache_loc.long(), hidden.unsqueeze(1), hidden.unsqueeze(1), layer_id_override=0
         )

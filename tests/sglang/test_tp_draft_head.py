@@ -187,8 +187,8 @@ def _tp_decode(group) -> dict:
         def target_verify(self, plan, cache_loc, req_pool_indices):
             return toy.target_verify(plan, cache_loc, req_pool_indices)
 
-        def append_draft_context(self, hidden, cache_loc, positions):
-            toy.append_draft_context(hidden, cache_loc, positions)
+        def append_draft_context(self, hidden, cache_loc_2d, positions, commit_lens):
+            toy.append_draft_context(hidden, cache_loc_2d, positions, commit_lens)
 
     worker._round_models = lambda batch: Models(worker, batch)
     seq_lens, out, draft_input = [len(p) for p in prompts], [[b] for b in bonus], None

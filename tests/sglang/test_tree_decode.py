@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree_runtime.sglang_plugin.tree_commit import accepted_first_order, commit_accepted_kv
+from ddtree_runtime.sglang_plugin.tree_commit import accepted_moves, commit_accepted_kv, window_slots
 from ddtree_runtime.sglang_plugin.tree_round import RoundConfig, RoundInput, run_tree_round, truncate_at_stop
 from ddtree_runtime.sglang_plugin.tree_step import plan_tree_verify
 from ddtree_runtime.tree import walk_posterior
@@ -102,12 +102,12 @@ def test_commit_puts_accepted_kv_at_the_next_logical_rows(page_size, owned_per_r
 
     commit = commit_accepted_kv(
         walk,
+        slots=window_slots(r2t, torch.tensor(rows), torch.tensor(prefix), WINDOW),
         req_to_token=r2t,
         req_pool_indices=torch.tensor(rows),
         prefix_lens=torch.tensor(prefix),
         kv_pool=kv,
         page_size=page_size,
-        window=WINDOW,
         release=allocator.free if owned_per_round else None,
     )
 
@@ -119,15 +119,11 @@ def test_commit_puts_accepted_kv_at_the_next_logical_rows(page_size, owned_per_r
         logical = r2t[row, prefix[r] : prefix[r] + len(nodes)].long()
         assert keys[logical].long().tolist() == want  # K at logical rows = the accepted nodes' rows
         assert commit.committed_slots[r, : len(nodes)].tolist() == logical.tolist()
-        assert torch.equal(r2t[row, : prefix[r]], before[row, : prefix[r]])  # prefix untouched
-        if page_size == 1:
-            assert commit.moved_rows == 0
-            assert logical.tolist() == want  # no data moved: the slots themselves were re-mapped
-        else:
-            assert torch.equal(r2t[row], before[row])  # mapping fixed; K/V rows moved instead
+        # every page size: the mapping is never rewritten (the row may have another owner by
+        # now, under the overlap scheduler); the K/V rows moved instead
+        assert torch.equal(r2t[row], before[row])
     assert commit.new_seq_lens.tolist() == [p + len(path) + 1 for p, path in zip(prefix, paths, strict=True)]
-    if page_size > 1:
-        assert commit.moved_rows == sum(sum(1 for k, n in enumerate([0, *path]) if k != n) for path in paths)
+    assert commit.moved_rows == len(prefix) * BLOCK  # fixed shape: b * (L + 1) entries
 
     if owned_per_round:
         # rejected slots went back: page 1 exactly W - a per request; page 16 the whole pages past
@@ -150,11 +146,14 @@ def test_commit_puts_accepted_kv_at_the_next_logical_rows(page_size, owned_per_r
     assert allocator.available_size() == start  # exactly: nothing leaked, nothing freed twice
 
 
-def test_accepted_first_order_is_a_permutation_with_the_path_first():
-    acc = torch.tensor([[0, 2, 5, -1], [0, -1, -1, -1]])
-    order = accepted_first_order(acc, 8)
-    assert order[0].tolist() == [0, 2, 5, 1, 3, 4, 6, 7]
-    assert order[1].tolist() == list(range(8))
+def test_accepted_moves_are_fixed_shape_and_move_only_displaced_nodes():
+    acc = torch.tensor([[0, 2, 5, -1], [0, -1, -1, -1], [0, 1, 3, 4]])
+    slots = torch.arange(100, 124).view(3, 8)
+    dst, src = accepted_moves(acc, slots)
+    assert dst.shape == src.shape == (12,)
+    # node 2 -> row 1, node 5 -> row 2; staying nodes and padding are SGLang's dummy move 0 -> 0
+    assert dst.view(3, 4).tolist() == [[0, 101, 102, 0], [0, 0, 0, 0], [0, 0, 118, 119]]
+    assert src.view(3, 4).tolist() == [[0, 102, 105, 0], [0, 0, 0, 0], [0, 0, 119, 120]]
 
 
 def _setup(prompts, *, page_size=1, noise=1.5, target_seed=0, rounds_room=64):
@@ -246,7 +245,7 @@ def test_drafter_gets_hidden_states_by_node_index_at_consecutive_positions():
         for i in range(len(live)):
             acc = [n for n in res.accept.walk.accepted[i].tolist() if n >= 0]
             # the rows handed over are the accepted NODES of request i, root first
-            mine = res.draft_context_rows[(res.draft_context_rows // rows) == i]
+            mine = res.draft_context_rows[i, : int(res.commit_lens[i])]
             assert mine.tolist() == [i * rows + n for n in acc]
             checked += acc != list(range(len(acc)))
     assert checked > 0, "some round must accept a path that is not the verify rows' prefix"

@@ -69,6 +69,7 @@ def _batch(rows, seq_lens, bonus, eos=()):
         spec_info=make_draft_input_v2(bonus_tokens=torch.tensor(bonus), new_seq_lens=torch.tensor(seq_lens)),
         req_pool_indices=torch.tensor(rows),
         seq_lens=torch.tensor(seq_lens),
+        seq_lens_cpu=torch.tensor(seq_lens),  # the non-overlap scheduler's host copy
         sampling_info=None,
         reqs=[
             SimpleNamespace(
