@@ -589,6 +589,7 @@ def live_probe(url: str, *, timeout: float = 600, min_accept_length: float | Non
     report.figures["version"] = str(info.get("version"))[:100]
     algorithm = str(info.get("speculative_algorithm") or "NONE").upper()[:100]
     report.figures["speculative_algorithm"] = algorithm
+    report.figures["overlap_schedule"] = overlap_schedule(info)
     wanted = {"speculative_algorithm": "DDTREE", **(expect or {})}
     wrong = [f"{k}={repr(info.get(k))[:100]} (want {v})" for k, v in wanted.items()
              if str(info.get(k)).upper() != str(v).upper()]
@@ -606,6 +607,16 @@ def live_probe(url: str, *, timeout: float = 600, min_accept_length: float | Non
                           f"{report.handshake.get('status', 'n/a')}, {shown}, accept length "
                           f"{report.figures['accept_length']}")
     return report
+
+
+def overlap_schedule(info: dict[str, Any]) -> bool | None:
+    """Whether the server runs SGLang's overlap scheduler: the plugin's ``ddtree_overlap_schedule``,
+    else SGLang's own resolved ``disable_overlap_schedule``; None when neither is a boolean."""
+    value = info.get("ddtree_overlap_schedule")
+    if isinstance(value, bool):
+        return value
+    disabled = info.get("disable_overlap_schedule")
+    return (not disabled) if isinstance(disabled, bool) else None
 
 
 # ---------------------------------------------------------------------------- output

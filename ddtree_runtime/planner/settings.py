@@ -3,7 +3,7 @@
 The resolution mirrors the pinned release for the knobs that size memory: DFLASH's defaults
 (``arg_groups/speculative_hook._handle_dflash``: 48 running requests), DDTREE's widths (this
 plugin's ``algorithm.resolve_server_args``: verify width budget + 1, per-request reservation
-max(budget + 1, block)), the overlap scheduler (off for trees), the mamba radix strategy
+max(budget + 1, block)), the overlap scheduler (on for trees and chains alike), the mamba radix strategy
 (``arg_groups/overrides._mamba_radix_cache_resolution``) and the GPU-size defaults
 (``arg_groups/memory_hook.handle_gpu_memory_settings``).
 """
@@ -189,8 +189,9 @@ def resolve(settings: ServeSettings, pair: ModelPair, gpu_mem_mib: int) -> Resol
     budget = settings.budget if settings.budget is not None else block - 1
     if block < 2:
         raise PlanError(f"the drafter block must be at least 2 (got {block})")
-    chain = settings.topk_cap == 1 and budget == block - 1
-    overlap = not settings.disable_overlap_schedule and chain
+    # Trees run overlapped like the chain (the plugin's algorithm.TREES_OVERLAP; test_planner_agrees
+    # holds the two to SGLang's resolution).
+    overlap = not settings.disable_overlap_schedule
     context = settings.context_length or target.context_length
     running = settings.max_running_requests or DFLASH_DEFAULT_MAX_RUNNING
     radix = None

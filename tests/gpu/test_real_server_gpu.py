@@ -8,7 +8,10 @@ lab's (Triton attention, CUDA graphs on, docs/sglang-gpu-lab.md), and is stopped
 What must hold, against the same server without speculation, on the dense and the hybrid lab pair:
 greedy output token-identical at batch 1, 4 and 16 and for requests joining a running batch, with the
 target verify replayed from graphs; the shipped budget (16) and a larger one (32); page size 1 and 16;
-T > 0 lossless by the chi-square test of the CPU suite; the live probe passes.
+T > 0 lossless by the chi-square test of the CPU suite; the live probe passes. Trees run under SGLang's
+overlap scheduler (``/server_info``), their decode forward issues no host sync that DFLASH's does not
+(CUDA's sync debug mode, ``ddtree_sglang_gpu_lab.sync_watch``), and requests finishing and joining
+every round stay token-identical.
 ``DDTREE_GPU_SUITE_FAULT=chain_verify_graph`` starts the DDTREE servers with the pre-fix behaviour
 (graphs captured for a chain): the suite must then fail on the hybrid pair.
 """
@@ -62,8 +65,10 @@ def servers():
     from ddtree_sglang_gpu_lab.cases import Spec, start_all
 
     fault = os.environ.get("DDTREE_GPU_SUITE_FAULT")
-    env = {"DDTREE_LAB_FAULT": fault} if fault else {}
+    # Every speculative server counts the host syncs inside its decode forwards (lab only).
+    env = {"DDTREE_LAB_SYNC_WATCH": "1", **({"DDTREE_LAB_FAULT": fault} if fault else {})}
     specs = [Spec(f"{pair}-plain", pair) for pair in ("dense", "hybrid")]
+    specs.append(Spec("dense-dflash", "dense", "DFLASH", env={"DDTREE_LAB_SYNC_WATCH": "1"}))
     for name, (pair, budget, page) in CONFIGS.items():
         over = {"speculative-ddtree-budget": budget}
         extra = ["--page-size", str(page)] if page > 1 else []
@@ -184,3 +189,68 @@ def test_live_probe_passes(servers, config):
     doc = json.loads(proc.stdout)
     report("live_probe", config=config, ok=doc["ok"], message=doc.get("message"))
     assert proc.returncode == 0 and doc["ok"], doc
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_trees_run_under_the_overlap_scheduler(servers, config):
+    status, info = _server(servers, config).request("/server_info")
+    assert status == 200
+    report("overlap", config=config, overlap=info.get("ddtree_overlap_schedule"))
+    assert info["ddtree_overlap_schedule"] is True and info["disable_overlap_schedule"] is False
+
+
+def _decode_syncs(server, worker: str, batch: int) -> list[dict]:
+    """The sync-watch records of ``worker``'s decode forwards while the 16 prompts run ``batch`` at
+    a time (the server counts with torch.cuda.set_sync_debug_mode, lab only)."""
+    from ddtree_sglang_gpu_lab.sync_watch import parse
+
+    seen = len(parse(server.log))
+    _answer(server, batch)
+    return [r for r in parse(server.log)[seen:] if r["worker"] == worker]
+
+
+WATCHED = ["dense-b16", "dense-b16-p16", "hybrid-b16", "hybrid-b16-p16", "dense-b32"]
+
+
+@pytest.mark.parametrize("config", WATCHED)
+def test_the_tree_decode_forward_issues_no_host_sync_the_chain_does_not(servers, config):
+    chain = _decode_syncs(_server(servers, "dense-dflash"), "DFLASH", 4)
+    tree = _decode_syncs(_server(servers, config), "DDTREE", 4)
+    assert tree and chain, "no decode forward was watched"
+    worst_chain = max(r["syncs"] for r in chain)
+    worst = max(tree, key=lambda r: r["syncs"])
+    report("decode_syncs", config=config, rounds=len(tree), max_syncs=worst["syncs"],
+           total_syncs=sum(r["syncs"] for r in tree), chain_rounds=len(chain), chain_max_syncs=worst_chain,
+           sites=worst["sites"])  # fmt: skip
+    assert worst["syncs"] <= worst_chain, worst
+
+
+@pytest.mark.parametrize("config", ["dense-b16", "dense-b16-p16", "hybrid-b16", "hybrid-b16-p16"])
+def test_requests_finishing_and_joining_every_round_are_token_identical(servers, plain_answers, config):
+    """32 requests of 1 to 64 tokens, started 20 ms apart, more than the server runs at once: every
+    round some finish and queued ones join (under overlap a finished request's row may be handed to
+    a new one while its last round is in flight)."""
+    pair = CONFIGS[config][0]
+    server = _server(servers, config)
+    lengths = [1 + (11 * i + 3) % 64 for i in range(32)]
+    results: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = server.generate(PROMPTS[i % len(PROMPTS)], lengths[i])["output_ids"]
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = []
+    for i in range(len(lengths)):
+        threads.append(threading.Thread(target=run, args=(i,)))
+        threads[-1].start()
+        time.sleep(0.02)
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    plain = plain_answers[pair][1]
+    wrong = [i for i, n in enumerate(lengths) if results[i] != plain[i % len(PROMPTS)][:n]]
+    report("churn", config=config, requests=len(lengths), identical=len(lengths) - len(wrong))
+    assert not wrong, [(i, lengths[i], results[i][:12]) for i in wrong[:3]]

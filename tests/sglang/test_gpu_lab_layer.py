@@ -91,3 +91,36 @@ def test_the_layer_is_inert_unless_the_gpu_lab_switches_it_on():
 def test_an_unknown_fault_switch_refuses_to_start():
     proc = _python("pass", DDTREE_SGLANG_GPU_LAB="1", DDTREE_LAB_FAULT="nonsense")
     assert proc.returncode != 0 and "not a GPU-lab fault switch" in proc.stderr
+
+
+def test_sync_watch_counts_the_syncs_of_decode_forwards_only(monkeypatch, capsys):
+    """What the device suite reads to fail a tree decode that syncs (CUDA's sync debug mode warns
+    at each synchronizing call; here a fake forward warns as torch does)."""
+    import warnings
+    from types import SimpleNamespace
+
+    import torch
+
+    from ddtree_sglang_gpu_lab import sync_watch
+
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def forward(self, batch, **kwargs):
+        for _ in range(batch.syncs):
+            warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+        return "out"
+
+    watched = sync_watch.watched(forward, "DDTREE")
+
+    def batch(extend: bool, syncs: int):
+        mode = SimpleNamespace(is_extend=lambda: extend, is_idle=lambda: False)
+        return SimpleNamespace(forward_mode=mode, is_extend_in_batch=False, reqs=[1, 2], syncs=syncs)
+
+    assert watched(None, batch(False, 2), on_publish=None) == "out"
+    assert watched(None, batch(True, 3)) == "out"  # a prefill: not counted
+    assert watched(None, batch(False, 0)) == "out"
+    assert modes == ["warn", "default", "warn", "default"]
+    records = sync_watch.parse(capsys.readouterr().err)
+    assert [r["syncs"] for r in records] == [2, 0] and records[0]["bs"] == 2
+    assert records[0]["worker"] == "DDTREE" and records[0]["sites"][0].startswith("test_gpu_lab_layer.py:")

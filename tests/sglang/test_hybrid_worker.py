@@ -116,6 +116,7 @@ def _batch(rows, seq_lens, bonus, draft_input=None):
             bonus_tokens=torch.tensor(bonus), new_seq_lens=torch.tensor(seq_lens)
         ),
         req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(seq_lens), sampling_info=None,
+        seq_lens_cpu=torch.tensor(seq_lens),  # the non-overlap scheduler's host copy
         mamba_track_indices=None,
         reqs=[
             SimpleNamespace(

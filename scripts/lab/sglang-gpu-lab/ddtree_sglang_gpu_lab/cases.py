@@ -138,15 +138,22 @@ def compare(
     return records
 
 
+def baseline_env() -> dict[str, str] | None:
+    """The environment of a ``-baseline`` server: the packed plugin first on PYTHONPATH."""
+    baseline = os.environ.get("DDTREE_GPU_LAB_BASELINE")
+    if not baseline:
+        return None
+    return {"PYTHONPATH": os.pathsep.join(p for p in (baseline, os.environ.get("PYTHONPATH")) if p)}
+
+
 def evidence_specs() -> list[Spec]:
     specs = []
-    baseline = os.environ.get("DDTREE_GPU_LAB_BASELINE")
+    base = baseline_env()
     for pair in ("dense", "hybrid"):
         specs.append(Spec(f"{pair}-ddtree", pair, "DDTREE"))
         specs.append(Spec(f"{pair}-dflash", pair, "DFLASH"))
-        if baseline:
-            path = os.pathsep.join(p for p in (baseline, os.environ.get("PYTHONPATH")) if p)
-            specs.append(Spec(f"{pair}-ddtree-baseline", pair, "DDTREE", env={"PYTHONPATH": path}))
+        if base:
+            specs.append(Spec(f"{pair}-ddtree-baseline", pair, "DDTREE", env=base))
     return specs
 
 
@@ -196,6 +203,10 @@ BENCH_LEVELS = (1, 4, 16)
 BENCH_BUDGETS = (16, 32, 64)
 
 
+def _levels() -> tuple[int, ...]:
+    return tuple(int(x) for x in os.environ.get("DDTREE_GPU_LAB_LEVELS", "").split()) or BENCH_LEVELS
+
+
 def _pairs() -> tuple[str, ...]:
     return tuple(os.environ.get("DDTREE_GPU_LAB_PAIRS", "dense hybrid").split())
 
@@ -209,6 +220,10 @@ def bench_specs() -> list[Spec]:
         for budget in budgets:
             over = {"speculative-ddtree-budget": budget}
             specs.append(Spec(f"{pair}-ddtree-b{budget}", pair, "DDTREE", overrides=over, extra=idle))
+            base = baseline_env()
+            if base:  # the packed plugin (pack.py --baseline REF), measured in the same call
+                name = f"{pair}-ddtree-b{budget}-baseline"
+                specs.append(Spec(name, pair, "DDTREE", env=base, overrides=over, extra=idle))
     return specs
 
 
@@ -226,7 +241,7 @@ def run_bench(
                     continue
                 try:
                     results[name] = bench_server(
-                        server.url, PROMPTS, levels=BENCH_LEVELS, repeats=repeats, label=name,
+                        server.url, PROMPTS, levels=_levels(), repeats=repeats, label=name,
                         emit=lambda line: print(line, flush=True),
                     )  # fmt: skip
                 except RuntimeError as exc:
@@ -257,8 +272,16 @@ PROD_PROFILE_LEVELS = (1, 16)
 
 
 def prod_spec(word: str) -> Spec:
-    """``dflash-fp32``, ``ddtree16-bf16``, ``plain-fp32``: decoder (budget), then the SSM state dtype."""
+    """``dflash-fp32``, ``ddtree16-bf16``, ``plain-fp32``: decoder (budget), then the SSM state dtype;
+    ``ddtree16base-fp32``: the packed baseline plugin (pack.py --baseline REF)."""
     decoder, _, ssm = word.partition("-")
+    env: dict[str, str] = {}
+    if decoder.endswith("base"):
+        decoder = decoder[: -len("base")]
+        base = baseline_env()
+        if base is None:
+            raise ValueError(f"{word!r}: no baseline plugin was packed (pack.py --baseline REF)")
+        env = base
     dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(ssm)
     if dtype is None:
         raise ValueError(f"{word!r}: end with -fp32 or -bf16 (the SSM state dtype)")
@@ -272,7 +295,8 @@ def prod_spec(word: str) -> Spec:
         overrides["speculative-ddtree-budget"] = int(decoder[6:])
     elif decoder != "plain":
         raise ValueError(f"{word!r}: start with plain, dflash or ddtreeB")
-    return Spec(f"prod-{word}", "prod", algorithm, overrides=overrides, extra=["--load-format", "dummy"])
+    dummy = ["--load-format", "dummy"]
+    return Spec(f"prod-{word}", "prod", algorithm, env=env, overrides=overrides, extra=dummy)
 
 
 def profile_round(server: GpuServer, out: Path, level: int, steps: int = 24) -> dict[str, Any]:
@@ -325,7 +349,7 @@ def run_prod(models: Path, log_dir: Path) -> None:
             rows = {}
             if os.environ.get("DDTREE_GPU_LAB_PROD_BENCH", "1") == "1":
                 rows = bench_server(
-                    server.url, PROMPTS, levels=BENCH_LEVELS, repeats=repeats, label=spec.name,
+                    server.url, PROMPTS, levels=_levels(), repeats=repeats, label=spec.name,
                     emit=lambda line: print(line, flush=True),
                 )  # fmt: skip
             for level, row in rows.items():

@@ -15,7 +15,14 @@ def install_all() -> None:
     global _installed
     if _installed:
         return
-    from ddtree_sglang_gpu_lab import cutedsl_standin, faults, sampling_fallback, seams, sgl_kernel_standin
+    from ddtree_sglang_gpu_lab import (
+        cutedsl_standin,
+        faults,
+        sampling_fallback,
+        seams,
+        sgl_kernel_standin,
+        sync_watch,
+    )
 
     try:
         seams.check_version(version("sglang"))
@@ -28,4 +35,5 @@ def install_all() -> None:
     cutedsl_standin.install()
     sampling_fallback.install()
     faults.install()
+    sync_watch.install()
     _installed = True
