@@ -131,11 +131,20 @@ def compare(
             "case": "evidence", "pair": pair, "server": name, "batch": batch,
             "identical": sum(d is None for d in diffs), "prompts": len(PROMPTS),
             "first_difference": next(({"prompt": i, **d} for i, d in enumerate(diffs) if d), None),
+            "differences": [{"prompt": i, **d} for i, d in enumerate(diffs) if d],
             "verify_steps": verify, "target_verify_graph_replays": replays,
             "accept_length": round(tokens / verify, 3) if verify else None,
             "tokens": tokens, "seconds": round(seconds, 3),
         })  # fmt: skip
     return records
+
+
+NO_OVERLAP = ["--disable-overlap-schedule"]
+
+
+def no_overlap() -> bool:
+    """``DDTREE_GPU_LAB_NO_OVERLAP=1``: also this plugin with SGLang's overlap scheduler off."""
+    return os.environ.get("DDTREE_GPU_LAB_NO_OVERLAP") == "1"
 
 
 def baseline_env() -> dict[str, str] | None:
@@ -149,20 +158,22 @@ def baseline_env() -> dict[str, str] | None:
 def evidence_specs() -> list[Spec]:
     specs = []
     base = baseline_env()
-    for pair in ("dense", "hybrid"):
+    for pair in _pairs():
         specs.append(Spec(f"{pair}-ddtree", pair, "DDTREE"))
         specs.append(Spec(f"{pair}-dflash", pair, "DFLASH"))
         if base:
             specs.append(Spec(f"{pair}-ddtree-baseline", pair, "DDTREE", env=base))
+        if no_overlap():
+            specs.append(Spec(f"{pair}-ddtree-nooverlap", pair, "DDTREE", extra=NO_OVERLAP))
     return specs
 
 
 def run_evidence(models: Path, log_dir: Path, probe: bool) -> None:
-    plain = start_all([Spec("dense-plain", "dense"), Spec("hybrid-plain", "hybrid")], models, log_dir)
+    plain = start_all([Spec(f"{pair}-plain", pair) for pair in _pairs()], models, log_dir)
     others = start_all(evidence_specs(), models, log_dir)
     servers = {**plain, **others}
     try:
-        for pair in ("dense", "hybrid"):
+        for pair in _pairs():
             ref_server = servers.get(f"{pair}-plain")
             if not isinstance(ref_server, GpuServer):
                 emit({"case": "evidence", "pair": pair, "error": "the plain server did not start"})
@@ -224,6 +235,9 @@ def bench_specs() -> list[Spec]:
             if base:  # the packed plugin (pack.py --baseline REF), measured in the same call
                 name = f"{pair}-ddtree-b{budget}-baseline"
                 specs.append(Spec(name, pair, "DDTREE", env=base, overrides=over, extra=idle))
+            if no_overlap():
+                name = f"{pair}-ddtree-b{budget}-nooverlap"
+                specs.append(Spec(name, pair, "DDTREE", overrides=over, extra=idle + NO_OVERLAP))
     return specs
 
 
