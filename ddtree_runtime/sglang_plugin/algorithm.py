@@ -26,12 +26,6 @@ from ddtree_runtime.sglang_plugin.names import ALGORITHM
 
 logger = logging.getLogger(__name__)
 
-# Trees run under SGLang's overlap scheduler, as DFLASH's chain does: the tree round reads nothing
-# back to the host between entering the worker's forward and returning (tree_round;
-# tests/sglang/test_tree_round_sync.py, on the H200 tests/gpu/test_real_server_gpu.py). SGLang still
-# turns overlap off where it must (CPU, pp > 1, a grammar batch, ...). False restores the old rule.
-TREES_OVERLAP = True
-
 RESOLUTION_SOURCE = "ddtree_plugin"
 # The largest budget the H200 suite has shown token-identical to the plain server with CUDA graphs on
 # (tests/gpu/test_real_server_gpu.py); at 64 one lab prompt differed (docs/bench/gpu-lab-server.md).
@@ -193,8 +187,13 @@ def resolve_server_args(server_args: Any) -> None:
         "speculative_dflash_block_size": block,
         "speculative_num_draft_tokens": max(budget + 1, block),
     }
-    if not chain and not TREES_OVERLAP and not cfg.disable_overlap_schedule:
-        logger.info("DDTREE runs tree configurations without the overlap scheduler.")
+    if not chain and not args.overlap and not cfg.disable_overlap_schedule:
+        # The tree round reads nothing back to the host (tree_round), so trees can run overlapped;
+        # they do with --speculative-ddtree-overlap until the GPU suite passes with it by default.
+        logger.info(
+            "DDTREE runs tree configurations without the overlap scheduler "
+            "(--speculative-ddtree-overlap turns it on)."
+        )
         sizes["disable_overlap_schedule"] = True
     declare_resolution(record, RESOLUTION_SOURCE, **sizes)
     resolved = {

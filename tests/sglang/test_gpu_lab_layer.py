@@ -100,7 +100,6 @@ def test_sync_watch_counts_the_syncs_of_decode_forwards_only(monkeypatch, capsys
     from types import SimpleNamespace
 
     import torch
-
     from ddtree_sglang_gpu_lab import sync_watch
 
     modes = []

@@ -34,9 +34,7 @@ def test_full_command_line_resolves_with_dflash_defaults_and_ddtree_sizes(sglang
     # drafter block from the draft config (16); verify width budget + 1 (25) decoupled from it
     assert cfg.speculative_dflash_block_size == 16
     assert cfg.speculative_num_draft_tokens == 25
-    # a tree runs under the overlap scheduler on a GPU, as DFLASH's chain does (its round reads
-    # nothing back: tests/sglang/test_tree_round_sync.py)
-    assert cfg.disable_overlap_schedule is False
+    assert cfg.disable_overlap_schedule is True  # trees: overlap only with --speculative-ddtree-overlap
     assert cfg.attention_backend == "triton"
     assert cfg.mem_fraction_static == 0.8 and cfg.context_length == 4096
     settings = record._ddtree_resolved
@@ -140,17 +138,13 @@ def test_unknown_without_the_plugin_is_sglangs_own_error(pair):
         SpeculativeAlgorithm.from_string("DDTREE2")
 
 
-def test_trees_keep_the_overlap_scheduler_unless_the_switch_or_the_operator_turns_it_off(
-    sglang_plugins, pair, monkeypatch
-):
-    from ddtree_runtime.sglang_plugin import algorithm
-
-    _, cfg = resolve(ddtree_argv(*pair, "--speculative-ddtree-budget", "16"))
-    assert cfg.disable_overlap_schedule is False
-    _, cfg = resolve(ddtree_argv(*pair, "--speculative-ddtree-budget", "16", "--disable-overlap-schedule"))
+def test_trees_run_overlapped_with_the_flag_unless_the_operator_turns_overlap_off(sglang_plugins, pair):
+    tree = ("--speculative-ddtree-budget", "16")
+    _, cfg = resolve(ddtree_argv(*pair, *tree))
     assert cfg.disable_overlap_schedule is True
-    monkeypatch.setattr(algorithm, "TREES_OVERLAP", False)  # the old rule, kept as the fallback
-    _, cfg = resolve(ddtree_argv(*pair, "--speculative-ddtree-budget", "16"))
+    record, cfg = resolve(ddtree_argv(*pair, *tree, "--speculative-ddtree-overlap"))
+    assert cfg.disable_overlap_schedule is False and record._ddtree_cli["overlap"] is True
+    _, cfg = resolve(ddtree_argv(*pair, *tree, "--speculative-ddtree-overlap", "--disable-overlap-schedule"))
     assert cfg.disable_overlap_schedule is True
 
 
