@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ddtree_runtime.tree import WalkResult
+from ddtree_runtime.core.tree import WalkResult
 
 
 @dataclass(frozen=True)
