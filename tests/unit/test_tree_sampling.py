@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree_runtime.core.tree import DraftTree, build_tree, walk_sample
+from ddtree_runtime.core.tree import DraftTree, build_tree, walk_posterior, walk_sample
 
 N = 200_000
 V = 4
@@ -126,6 +126,17 @@ def test_pq_rejection_variant_fails_the_same_test() -> None:
     x1, x2 = _first_two(emitted, num, gen)
     p = _chi_square_pvalue(x1, x2)
     assert p < 1e-12, f"the p/q rule should be caught (p = {p:.3g})"
+
+
+def test_walk_sample_draws_what_torch_multinomial_draws() -> None:
+    """The draw without multinomial's host-side check (a device sync every round) is multinomial's
+    own one-sample draw: the same samples for the same generator state."""
+    t = build_tree(torch.randn(8, 3, 6, generator=torch.Generator().manual_seed(0)), 7)
+    probs = torch.softmax(torch.randn(8, 8, 6, generator=torch.Generator().manual_seed(1)) * 3, -1)
+    got = walk_sample(t, probs, generator=torch.Generator().manual_seed(9))
+    draws = torch.multinomial(probs.reshape(64, 6), 1, generator=torch.Generator().manual_seed(9))
+    want = walk_posterior(t, draws.reshape(8, 8))
+    assert torch.equal(got.emitted, want.emitted) and torch.equal(got.accepted, want.accepted)
 
 
 def test_walk_sample_is_reproducible_with_a_generator() -> None:

@@ -13,6 +13,7 @@ from ddtree_runtime.core.tree import (
     build_tree,
     compile_tree,
     verify_attention_mask,
+    verify_attention_mask_flat,
     walk_greedy,
     walk_posterior,
 )
@@ -105,6 +106,20 @@ def test_attention_mask_prefix_visible_then_tree() -> None:
         assert m.shape == (rows, plen + rows) and m.dtype == torch.bool
         assert m[:, :plen].all(), "prefix columns all visible"
         assert torch.equal(m[:, plen:], v.visibility[i])
+
+
+def test_the_flat_mask_is_the_concatenated_masks_at_device_computed_offsets() -> None:
+    """The overlap path's mask: one fixed-size tensor from a host bound, the real layout first."""
+    t = _tree(3)
+    prefix = torch.tensor([7, 0, 13])
+    v = compile_tree(t, torch.zeros(3, dtype=torch.long), prefix)
+    want = torch.cat([m.reshape(-1) for m in verify_attention_mask(v, prefix)])
+    bound = want.numel() + 41  # e.g. reserved lengths instead of the real ones
+    flat = verify_attention_mask_flat(v, prefix, bound)
+    assert flat.shape == (bound,) and flat.dtype == torch.bool
+    assert torch.equal(flat[: want.numel()], want)
+    assert flat[want.numel() :].all()  # past the real total: never read
+    assert not want.all(), "the tree part must hide some cells, or the test shows nothing"
 
 
 def test_padded_nodes_are_isolated() -> None:
