@@ -60,6 +60,20 @@ def contrary_drafter(models: Path, out: Path) -> Path:
     return out
 
 
+def first_round_emits(engine, states: list[list[int]]) -> list[int]:
+    """Tokens each state's first verify round emits (accepted drafts + the bonus token), as one batch.
+
+    Acceptance compared over whole generations is luck: engines whose rounds end at other tokens go on
+    from other states. From one state, what each engine's tree can accept is fixed by construction
+    (a budget-64 tree holds the budget-16 tree; every tree holds the chain's first draft).
+    """
+    from ddtree_runtime.lab.engine import SamplingParams
+
+    # max_new_tokens 2: the prefill's token, then exactly one verify round (never cut by EOS).
+    res = engine.generate(states, [SamplingParams(max_new_tokens=2, ignore_eos=True)] * len(states))
+    return [r.accept_lengths[0] for r in res]
+
+
 @contextmanager
 def one_thread() -> Iterator[None]:
     """The lab models are tiny: one torch thread is faster, and on a shared CPU much faster."""
