@@ -645,6 +645,7 @@ def probe_problems(v: Mapping[str, Any]) -> list[str]:
         abs_path("ddtree_probe_draft_model_path", v.get("draft_model_path"), plain=False),
         abs_path("ddtree_probe_report_dir", v.get("report_dir")),
         number("ddtree_probe_min_accept_length", v.get("min_accept_length"), 1.0, 1000),
+        strict_bool("ddtree_probe_allow_lossless_unchecked", v.get("allow_lossless_unchecked", False)),
         integer("ddtree_probe_timeout", v.get("timeout"), 1, 86400),
     )
     since = v.get("journal_since")

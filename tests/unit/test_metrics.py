@@ -36,7 +36,8 @@ def host(tmp_path: Path) -> Path:
         {"profile": "balanced", "release": "r-3f2a9c", "deployed_at": "2026-11-29T10:00:00+00:00",
          "previous_release": "r-11aa00"}))
     with FakeSGLang(Scenario(completion_tokens=30, spec_verify_ct=10)) as srv:
-        report = live_probe(srv.url, timeout=5, poll_s=0.05, min_accept_length=2)
+        report = live_probe(srv.url, timeout=5, poll_s=0.05, min_accept_length=2, max_new_tokens=30,
+                            allow_lossless_unchecked=True)
     report.figures["probe_seconds"] = 1.25
     write_report(report, str(root / "probe" / "sglang-qwen.json"))
     metrics.record_rollout(str(root), "sglang-qwen.service", "rolled_back", release="r-4",
@@ -89,6 +90,24 @@ def test_a_probe_that_found_the_verify_not_lossless_exposes_the_counts(host: Pat
     assert s[("ddtree_probe_lossless_tokens_checked", (u,))] == 3.0
     assert s[("ddtree_probe_lossless_mismatches", (u,))] == 1.0
     assert s[("ddtree_probe_lossless_near_ties", (u,))] == 1.0
+
+
+def test_a_check_that_could_not_run_is_not_counted_as_checked(host: Path):
+    from ddtree_runtime import lossless
+    from ddtree_runtime.probe import Report, _check_lossless
+    from tests.unit._lossless_answers import PROMPT, answer
+
+    gens = [lossless.Generation(PROMPT, [5]), lossless.Generation([3], [4])]
+    good = answer(gens[0], [[(-0.1, 5), (-2.0, 1)]])
+    report = Report("live")
+    _check_lossless(report, lossless.compare_answers(gens, [good, {"text": "x"}]))
+    write_report(report, str(host / "probe" / "sglang-qwen.json"))
+    s = _samples(metrics.generate_latest(metrics.build_registry(str(host), systemd=False)).decode())
+    u = ("unit", "sglang-qwen")
+    assert s[("ddtree_probe_failure_info", (("cause", "lossless_check_error"), ("probe", "live"), u))] == 1.0
+    assert s[("ddtree_probe_lossless_checked", (u,))] == 0.0
+    assert s[("ddtree_probe_lossless_errors", (u,))] == 1.0
+    assert s[("ddtree_probe_lossless_mismatches", (u,))] == 0
 
 
 def test_failed_probe_exposes_its_cause(host: Path):
