@@ -14,7 +14,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-from ddtree_runtime.tree import build_tree, walk_greedy  # noqa: E402
+from ddtree_runtime.core.tree import build_tree, walk_greedy  # noqa: E402
 from tests._ties import sglang_greedy, tied_round  # noqa: E402
 
 # Inside one tile, across tiles, and Qwen's vocabulary (split-V chunks).
@@ -32,7 +32,7 @@ def _check(num, emitted, case, budget: int) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("vocab", "lo", "hi"), CASES)
 def test_an_exact_tie_goes_to_the_smallest_id_on_the_gpu(vocab, lo, hi, dtype):
-    from ddtree_runtime.kernels.walk import walk_arrays
+    from ddtree_runtime.core.kernels.walk import walk_arrays
 
     for budget in (1, 2):
         case = tied_round(vocab, lo, hi, dtype=dtype, device="cuda")

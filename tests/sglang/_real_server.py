@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from ddtree_runtime.lab.ports import lease_ports
+from ddtree_runtime.tiny_engine.ports import lease_ports
 
 REPO = Path(__file__).resolve().parents[2]
 READY_LINE = "The server is fired up and ready to roll!"

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from ddtree_runtime.core.tree import build_tree
 from ddtree_runtime.sglang_plugin.tree_round import walk_round
-from ddtree_runtime.tree import build_tree
 from tests._ties import tied_round
 
 pytestmark = pytest.mark.sglang

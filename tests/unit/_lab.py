@@ -18,8 +18,8 @@ from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
-import ddtree_runtime.lab as lab_pkg
-from ddtree_runtime.lab.ports import PortLease, lease_ports
+import ddtree_runtime.tiny_engine as lab_pkg
+from ddtree_runtime.tiny_engine.ports import PortLease, lease_ports
 
 _SOURCES = ("make.py", "models.py", "gdn.py", "language.py", "tokenizer.py", "hf_tokenizer.py")
 
@@ -38,7 +38,7 @@ def lab_models(kind: str = "dense") -> Path:
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not stamp.exists():
-            from ddtree_runtime.lab.make import make_models
+            from ddtree_runtime.tiny_engine.make import make_models
 
             summary = make_models(root, kind=kind, log=lambda _msg: None)
             stamp.write_text(json.dumps(summary))
@@ -67,7 +67,7 @@ def first_round_emits(engine, states: list[list[int]]) -> list[int]:
     from other states. From one state, what each engine's tree can accept is fixed by construction
     (a budget-64 tree holds the budget-16 tree; every tree holds the chain's first draft).
     """
-    from ddtree_runtime.lab.engine import SamplingParams
+    from ddtree_runtime.tiny_engine.engine import SamplingParams
 
     # max_new_tokens 2: the prefill's token, then exactly one verify round (never cut by EOS).
     res = engine.generate(states, [SamplingParams(max_new_tokens=2, ignore_eos=True)] * len(states))
@@ -87,7 +87,7 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-# Ports handed out by free_port(), held until this process ends (ddtree_runtime.lab.ports).
+# Ports handed out by free_port(), held until this process ends (ddtree_runtime.tiny_engine.ports).
 _HELD: list[PortLease] = []
 
 

@@ -19,8 +19,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from ddtree_runtime import canary
-from ddtree_runtime.canary import Answer, CanaryInputError, Side, SideUnavailable, Thresholds
+from ddtree_runtime.health import canary
+from ddtree_runtime.health.canary import Answer, CanaryInputError, Side, SideUnavailable, Thresholds
 from tests.sglang._agreeing_pair import write_agreeing_pair
 from tests.unit._lab import LabServerProcess, free_port, lab_models
 
@@ -41,7 +41,7 @@ def accept_length(new_tokens: int, budget: int) -> float:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory) -> Iterator[dict[str, str]]:
-    from ddtree_runtime.lab.tokenizer import LabTokenizer
+    from ddtree_runtime.tiny_engine.tokenizer import LabTokenizer
 
     words = LabTokenizer().token_id(" cat"), LabTokenizer().token_id(" dog")
     root = tmp_path_factory.mktemp("pairs")

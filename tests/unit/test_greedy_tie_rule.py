@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from ddtree_runtime.core.tree import build_tree, walk_greedy
 from ddtree_runtime.sglang_plugin.tree_round import walk_round
 from ddtree_runtime.sglang_plugin.tree_step import accept_greedy, combine_shard_argmax
-from ddtree_runtime.tree import build_tree, walk_greedy
 from tests._ties import NEAR_TIE_LOGPROB_GAP, judge_greedy, sglang_greedy, tied_round
 
 # Ties inside one Triton tile, and across tiles / split-V chunks (the kernels tile V by 4096).
@@ -72,7 +72,7 @@ def test_the_vocabulary_parallel_argmax_takes_the_smallest_global_id():
 @pytest.mark.parametrize("lazy", [False, True])
 @pytest.mark.parametrize(("vocab", "lo", "hi"), CASES)
 def test_the_walk_kernels_take_the_smallest_tied_id(vocab, lo, hi, lazy):
-    from ddtree_runtime.kernels.walk import walk_arrays
+    from ddtree_runtime.core.kernels.walk import walk_arrays
 
     for budget in (1, 2):
         case = tied_round(vocab, lo, hi)

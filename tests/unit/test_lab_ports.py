@@ -1,5 +1,5 @@
 """Lab and test servers started side by side never share a port: every port they bind (HTTP and
-SGLang's torch.distributed port, ``--nccl-port``) comes from ``ddtree_runtime.lab.ports`` and is held,
+SGLang's torch.distributed port, ``--nccl-port``) comes from ``ddtree_runtime.tiny_engine.ports`` and is held,
 across processes, until the server is stopped."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_runtime.lab.ports import lease_ports
+from ddtree_runtime.tiny_engine.ports import lease_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,7 +40,7 @@ def test_a_held_port_is_never_handed_out_again_until_released():
 def test_another_process_cannot_take_a_held_port():
     low, high = _range()
     with lease_ports(1, low=low, high=high) as held:
-        code = ("from ddtree_runtime.lab.ports import lease_ports\n"
+        code = ("from ddtree_runtime.tiny_engine.ports import lease_ports\n"
                 f"print(lease_ports(1, low={low}, high={high}).ports[0])")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                              cwd=ROOT).stdout

@@ -21,7 +21,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from ddtree_runtime.lab.ports import lease_ports
+from ddtree_runtime.tiny_engine.ports import lease_ports
 
 READY_LINE = "The server is fired up and ready to roll!"
 SPECULATIVE_ONLY_FLAGS = ("speculative-ddtree-budget", "speculative-ddtree-topk-cap")

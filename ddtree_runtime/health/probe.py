@@ -4,7 +4,7 @@ static: the model pair on disk agrees on the hidden-state contract (configs and 
 live:   the server is ready, runs DDTREE with the expected handshake, answers fixed prompts at T=0
         (one at a time, then all of them as one batch) with as many tokens as asked (fewer only where a
         stop token ended the answer), every token it emitted is the target's own greedy choice (one
-        prefill of prompt + answer per answer, ddtree_runtime.lossless), and it accepts enough draft
+        prefill of prompt + answer per answer, ddtree_runtime.health.lossless), and it accepts enough draft
         tokens per verify step. The probe fails closed: a lossless check that cannot run on a server
         that has the fields fails (``lossless_check_error``); one without them fails too
         (``lossless_not_checked``) unless --allow-lossless-unchecked says the operator accepts that.
@@ -34,8 +34,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddtree_runtime import diagnose, http_client, lossless
-from ddtree_runtime.http_client import HTTPFailure
+from ddtree_runtime.health import diagnose, http_client, lossless
+from ddtree_runtime.health.http_client import HTTPFailure
 
 EXIT_PASS, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOT_READY = 0, 1, 2, 3
 
@@ -119,7 +119,7 @@ def static_probe(model_path: str, draft_model_path: str) -> Report:
         if problem:
             report.fail(EXIT_BAD_INPUT, "bad_input", f"{label} {path}: {problem}")
             return report
-    from ddtree_runtime.contract import ContractError, load_contract
+    from ddtree_runtime.core.contract import ContractError, load_contract
 
     try:
         contract = load_contract(model_path, draft_model_path, check=False)  # we report the widths
@@ -176,7 +176,7 @@ def _model_dir_problem(path: str) -> str | None:
 def http_request(url: str, *, payload: dict | None = None, timeout: float) -> tuple[int, bytes]:
     """(status, body); HTTP error statuses are returned, failures raised as HTTPFailure (an OSError).
 
-    The whole exchange ends within `timeout` (see ddtree_runtime.http_client)."""
+    The whole exchange ends within `timeout` (see ddtree_runtime.health.http_client)."""
     return http_client.request(url, payload=payload, timeout=timeout)
 
 

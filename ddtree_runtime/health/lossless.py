@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ddtree_runtime import http_client
+from ddtree_runtime.health import http_client
 
 DEFAULT_MARGIN = 0.5  # nats; see the module docstring
 DEFAULT_MAX_NEAR_TIE_RATE = 0.05  # near-ties per checked token; see the module docstring
