@@ -613,6 +613,8 @@ def exporter_problems(v: Mapping[str, Any]) -> list[str]:
         account("ddtree_exporter_probe_user", v.get("probe_user")),
         timespan("ddtree_exporter_probe_interval", v.get("probe_interval")),
         number("ddtree_exporter_probe_min_accept_length", v.get("probe_min_accept_length"), 1.0, 1000),
+        strict_bool("ddtree_exporter_probe_allow_lossless_unchecked",
+                    v.get("probe_allow_lossless_unchecked", False)),
         integer("ddtree_exporter_probe_timeout", v.get("probe_timeout"), 1, 86400),
         integer("ddtree_exporter_probe_request_timeout", v.get("probe_request_timeout"), 1, 86400),
     )
