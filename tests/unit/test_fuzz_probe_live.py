@@ -347,6 +347,8 @@ def test_canary_compare_names_a_misbehaving_shadow(name: str) -> None:
 
     healthy, broken = Case(), Case()
     DEFECTS[name](broken)
+    # Two servers, as each reports itself (the canary aborts on two it cannot tell apart).
+    healthy.info["ddtree_instance_id"], broken.info["ddtree_instance_id"] = "live", "shadow"
     with HostileServer(healthy.routes()) as live, HostileServer(broken.routes()) as shadow:
         started = time.monotonic()
         report = compare(live.url, shadow.url, prompts=["a"], rounds=1, ready_timeout=TIMEOUT,
