@@ -913,10 +913,11 @@ def worker_url(url: Any, name: str = "a worker URL") -> str | None:
 
 
 def router_workers(answer: Any, router: str) -> list[dict[str, Any]]:
-    """A router's GET /workers answer ({"workers": [...]} or the list) as [{id, url, healthy}]: each id
+    """A router's GET /workers answer ({"workers": [...]} or the list) as [{id, url, is_healthy}]: each id
     checked before it goes into a path, each URL in worker_url's spelling, health a JSON boolean (not a
     truthy string). Workers of another scheme are left out (they serve no http traffic of ours). Anything
-    else is InputError, one line naming the router and the entry: a decision makes no change on it."""
+    else is InputError, one line naming the router and the entry: a decision makes no change on it. The
+    result is itself such an answer (checking it again gives it back)."""
     listing = answer.get("workers") if isinstance(answer, Mapping) else answer
     if not isinstance(listing, list):
         raise InputError(f"router {router}: its GET /workers answer {show(answer)} is not a worker list")
@@ -935,7 +936,7 @@ def router_workers(answer: Any, router: str) -> list[dict[str, Any]]:
             raise InputError(_problem(f"{where} is_healthy", healthy, "is not a JSON boolean"))
         url = worker_url(entry.get("url"), f"{where} url")
         if url is not None:
-            workers.append({"id": wid, "url": url, "healthy": healthy})
+            workers.append({"id": wid, "url": url, "is_healthy": healthy})
     return workers
 
 
@@ -944,7 +945,8 @@ def router_lists(answer: Any, urls: Any, *, healthy: bool = False) -> bool | Non
     None when the answer cannot be read (a wait goes on waiting)."""
     try:
         wanted = {worker_url(u) for u in ([urls] if isinstance(urls, str) else urls)}
-        return any(w["url"] in wanted and (w["healthy"] or not healthy) for w in router_workers(answer, "-"))
+        listed = router_workers(answer, "-")
+        return any(w["url"] in wanted and (w["is_healthy"] or not healthy) for w in listed)
     except (InputError, TypeError):
         return None
 
