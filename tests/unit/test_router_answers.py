@@ -182,7 +182,9 @@ def test_the_rotation_file_gets_checked_urls_in_one_spelling_or_nothing():
     for url in (f"http://{B}:30000\nLD_PRELOAD=/tmp/x.so", f"http://{B}:30000 --host 0.0.0.0"):
         with pytest.raises(deploy_inputs.InputError, match="router r1 worker 0 url"):
             deploy_inputs.router_rotation_urls({"workers": [_w(url)]}, "r1")
-    assert deploy_inputs.router_rotation_urls({"workers": [_w("--host")]}, "r1") == []  # not http(s): left out
+    assert (
+        deploy_inputs.router_rotation_urls({"workers": [_w("--host")]}, "r1") == []
+    )  # not http(s): left out
 
 
 # ---------------------------------------------------------------------------- the rotation role, lying router
@@ -239,7 +241,7 @@ def _inventory(tmp: Path, router_port: int) -> Path:
     return path
 
 
-def _step(inventory: Path, action: str) -> str:
+def _step(inventory: Path, action: str, *, ok: bool = False) -> str:
     cmd = [
         str(Path(sys.executable).parent / "ansible-playbook"),
         "-i",
@@ -251,7 +253,7 @@ def _step(inventory: Path, action: str) -> str:
         f"rotation_action={action}",
     ]
     res = subprocess.run(cmd, cwd=REPO, env=tool_env(), capture_output=True, text=True, timeout=300)
-    assert res.returncode != 0, res.stdout[-3000:]
+    assert (res.returncode == 0) is ok, res.stdout[-3000:]
     return " ".join(res.stdout.split())
 
 
@@ -277,6 +279,19 @@ def test_the_rotation_role_sends_no_delete_for_the_shadow_on_an_answer_it_cannot
         paths = [p for p, _ in router.seen]
     assert "router_answer_refused" in out and "'../live' is not a worker id" in out, out[-3000:]
     assert set(paths) == {"/workers"}, paths
+
+
+def test_the_shadow_in_another_spelling_leaves_and_the_rotation_file_keeps_one_spelling(tmp_path: Path):
+    before = {"workers": [_w(W1, wid="live"), _w("HTTP://127.0.0.1:2/", wid="sid"), _w(W2 + "/", wid="b2")]}
+    gone = {"workers": [_w(W1, wid="live"), _w(W2 + "/", wid="b2")]}
+    # GETs: the preflight's, remove_shadow's, its wait until the shadow is gone, the record's
+    answers = _Sequence(before, before, gone)
+    with HostileServer({"/workers": answers, "/workers/sid": respond(202, {})}) as router:
+        _step(_inventory(tmp_path, int(router.url.rsplit(":", 1)[1])), "remove_shadow", ok=True)
+        paths = [p for p, _ in router.seen]
+    assert paths.count("/workers/sid") == 1 and "/workers/live" not in paths, paths
+    text = (tmp_path / "router-state" / "workers.env").read_text()
+    assert f"SGLANG_ROUTER_WORKER_URLS={W1} {W2}\n" in text, text
 
 
 def test_a_listed_url_with_a_newline_never_reaches_the_rotation_file(tmp_path: Path):
