@@ -3,12 +3,12 @@
 ``python -m ddtree_runtime.bench tree``: the whole DDTree round (top-K + fp32 logsumexp over the
 full vocabulary, tree build, compile, greedy walk over the target logits, commit plan) on the GPU,
 Triton kernels (captured in a CUDA graph, replayed) against the plain PyTorch path of
-``ddtree_runtime.tree`` (eager, with its host syncs) in the same run. Medians and minima in
+``ddtree_runtime.core.tree`` (eager, with its host syncs) in the same run. Medians and minima in
 microseconds; ``identical`` says whether both paths gave the same tree, walk and plan.
 ``kernel_stages_median_us`` times each launch group in a graph of its own; every such figure
 carries the fixed cost of one replay, printed as ``one_tiny_kernel`` (10-20 us on the H200).
 
-Imports only torch, triton and ddtree_runtime.tree / .kernels, so it runs on a bare GPU host with
+Imports only torch, triton and ddtree_runtime.core.tree / .kernels, so it runs on a bare GPU host with
 ``PYTHONPATH=.``.
 """
 
@@ -39,8 +39,8 @@ def _stages(mod: Any, draft: Any, target: Any, roots: Any, prefix: Any, budget: 
     """The kernel round cut into its launches, for the per-stage breakdown."""
     import torch
 
-    from ddtree_runtime.kernels.build import build_from_topk
-    from ddtree_runtime.kernels.topk import topk_launches, topk_log_probs
+    from ddtree_runtime.core.kernels.build import build_from_topk
+    from ddtree_runtime.core.kernels.topk import topk_launches, topk_log_probs
 
     k = min(budget, draft.shape[-1])
     lp, ids = topk_log_probs(draft, k)
@@ -125,7 +125,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def kernels_topk(draft: Any, budget: int) -> tuple:
-    from ddtree_runtime.kernels.topk import topk_log_probs
+    from ddtree_runtime.core.kernels.topk import topk_log_probs
 
     return topk_log_probs(draft, min(budget, draft.shape[-1]))
 
@@ -148,8 +148,8 @@ def bench_tree_case(
 ) -> dict[str, Any]:
     import torch
 
-    from ddtree_runtime import kernels, tree
-    from ddtree_runtime.kernels.walk import use_lazy_walk
+    from ddtree_runtime.core import kernels, tree
+    from ddtree_runtime.core.kernels.walk import use_lazy_walk
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -237,7 +237,7 @@ def bench_tree_case(
 def _tree_main(args: argparse.Namespace) -> int:
     import torch
 
-    from ddtree_runtime import kernels
+    from ddtree_runtime.core import kernels
 
     if not torch.cuda.is_available() or not kernels.available():
         print(json.dumps({"bench": "tree", "error": "needs a CUDA device and Triton"}))
@@ -254,8 +254,8 @@ def _tree_main(args: argparse.Namespace) -> int:
 
 
 def _server_main(args: argparse.Namespace) -> int:
-    from ddtree_runtime.http_client import check_base_url
-    from ddtree_runtime.server_bench import bench_server
+    from ddtree_runtime.health.http_client import check_base_url
+    from ddtree_runtime.health.server_bench import bench_server
 
     try:
         url = check_base_url(args.url)

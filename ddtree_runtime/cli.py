@@ -14,16 +14,16 @@ import sys
 # verb -> modules that register sub-verbs under it ("" = register at top level)
 _TOP_LEVEL = (
     "ddtree_runtime.tree_cli",
-    "ddtree_runtime.probe",
-    "ddtree_runtime.diagnose",
+    "ddtree_runtime.health.probe",
+    "ddtree_runtime.health.diagnose",
     "ddtree_runtime.planner.cli",
-    "ddtree_runtime.metrics",
+    "ddtree_runtime.health.metrics",
     "ddtree_runtime.ops.fleet",
-    "ddtree_runtime.canary",
+    "ddtree_runtime.health.canary",
 )
 _LAB = (
-    "ddtree_runtime.lab.cli",  # make-models, serve, bench (host side)
-    "ddtree_runtime.ops.labhosts",  # up, down, status (controller side)
+    "ddtree_runtime.tiny_engine.cli",  # make-models, serve, bench (host side)
+    "ddtree_runtime.ops.labhosts.hosts",  # up, down, status (controller side)
 )
 
 

@@ -74,7 +74,7 @@ def _word(token: int) -> str:
 def _demo(args: argparse.Namespace) -> int:
     import torch
 
-    from ddtree_runtime.tree import build_tree, compile_tree, walk_greedy
+    from ddtree_runtime.core.tree import build_tree, compile_tree, walk_greedy
 
     if args.budget < 0 or args.horizon < 1 or args.vocab < 2:
         print("error: need --budget >= 0, --horizon >= 1, --vocab >= 2", file=sys.stderr)
@@ -151,8 +151,8 @@ def _bench(args: argparse.Namespace) -> int:
 
     import torch
 
-    from ddtree_runtime import kernels
-    from ddtree_runtime.tree import build_tree, compile_tree, walk_greedy
+    from ddtree_runtime.core import kernels
+    from ddtree_runtime.core.tree import build_tree, compile_tree, walk_greedy
 
     try:
         batches = [int(x) for x in args.batch.split(",")]
@@ -209,7 +209,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _contract_check(args: argparse.Namespace) -> int:
-    from ddtree_runtime.contract import ContractError, load_contract
+    from ddtree_runtime.core.contract import ContractError, load_contract
 
     try:
         contract = load_contract(args.model_path, args.draft_model_path)

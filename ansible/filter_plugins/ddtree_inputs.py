@@ -1,4 +1,4 @@
-"""Filters over ddtree_runtime/deploy_inputs.py: the roles' input checks and systemd quoting.
+"""Filters over ddtree_runtime/inputs/deploy_inputs.py: the roles' input checks and systemd quoting.
 
 The module is loaded by its file path from the checkout the play runs from (it is stdlib only), so
 the controller needs nothing of ours installed for the preflight to run.
@@ -13,7 +13,7 @@ from typing import Any
 
 from ansible.errors import AnsibleFilterError
 
-_SOURCE = Path(__file__).resolve().parents[2] / "ddtree_runtime" / "deploy_inputs.py"
+_SOURCE = Path(__file__).resolve().parents[2] / "ddtree_runtime" / "inputs" / "deploy_inputs.py"
 
 
 def _load() -> Any:

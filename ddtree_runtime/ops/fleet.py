@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddtree_runtime import diagnose
-from ddtree_runtime.deploy_inputs import unit_name
+from ddtree_runtime.health import diagnose
+from ddtree_runtime.inputs.deploy_inputs import unit_name
 
 LIVE_UNIT = "sglang-qwen"
 REMOTE_SCRIPT = Path(__file__).with_name("fleet_remote.py")

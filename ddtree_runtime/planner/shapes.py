@@ -1,6 +1,6 @@
 """What SGLang sizes its pools from, read off a target/drafter pair's files (configs + safetensors headers).
 
-Readers: ``ddtree_runtime.contract`` (``read_config``, ``read_checkpoint_tensors``,
+Readers: ``ddtree_runtime.core.contract`` (``read_config``, ``read_checkpoint_tensors``,
 ``load_contract``), locally, or the same functions' JSON output sent back from a host
 (``python3 contract.py describe TARGET DRAFT``, see :func:`model_pair_from_description`).
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddtree_runtime.contract import (
+from ddtree_runtime.core.contract import (
     ContractError,
     build_target_layer_ids,
     read_checkpoint_tensors,

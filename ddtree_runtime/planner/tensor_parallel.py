@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from ddtree_runtime.core.tp_head_cost import allreduce_bytes, exchange_bytes, head_rows, local_logits_bytes
 from ddtree_runtime.planner.shapes import DTYPE_BYTES
-from ddtree_runtime.tp_head_cost import allreduce_bytes, exchange_bytes, head_rows, local_logits_bytes
 
 if TYPE_CHECKING:
     from ddtree_runtime.planner.accounting import Plan

@@ -146,7 +146,7 @@ def _hybrid_kind(record: Any) -> tuple[str | None, str]:
 
 def _check_contract(target: str, draft: str) -> dict[str, Any] | None:
     """Width handshake from files, when both models are local directories."""
-    from ddtree_runtime.contract import load_contract
+    from ddtree_runtime.core.contract import load_contract
 
     if not (os.path.isdir(target) and os.path.isdir(draft)):
         return None

@@ -5,7 +5,7 @@ Where this rank holds the whole vocabulary (TP 1, or a replicated head) the tree
 logits itself, as it always did. Under vocabulary parallelism a rank's weight holds
 ``shard_indices``' rows: real rows ``[0, num_org_elements)`` for the ids from
 ``org_vocab_start_index``, then padding, then added-vocabulary rows, which are not ranked (as in
-every DDTree port). ``ddtree_runtime.tp_head`` ranks the real rows and exchanges top-K +
+every DDTree port). ``ddtree_runtime.core.tp_head`` ranks the real rows and exchanges top-K +
 logsumexp over the TP group: ``[N, 2K + 1]`` fp32 instead of a ``[N, V]`` all-reduce.
 
 Duck-typed on SGLang's objects (the head's ``weight`` and ``shard_indices``, the group's
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ddtree_runtime.tp_head import VocabShard, sharded_topk
-from ddtree_runtime.tree_types import DraftTopK, topk_width
+from ddtree_runtime.core.tp_head import VocabShard, sharded_topk
+from ddtree_runtime.core.tree_types import DraftTopK, topk_width
 
 
 def lm_head_shard(lm_head: Any, vocab_size: int) -> VocabShard:

@@ -23,10 +23,10 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import draft_tp_context
 from torch import Tensor
 
+from ddtree_runtime.core.tree_types import DraftTopK
 from ddtree_runtime.sglang_plugin.draft_head import draft_head
 from ddtree_runtime.sglang_plugin.hybrid import DDTreeVerifyInput
 from ddtree_runtime.sglang_plugin.tree_step import TreeVerifyBatch
-from ddtree_runtime.tree_types import DraftTopK
 
 
 class SGLangRoundModels:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ddtree_runtime.tree import WalkResult, commit_plan
+from ddtree_runtime.core.tree import WalkResult, commit_plan
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ The round (ddtree-algorithm.md section 3) is the same whatever runs the models:
 
 1. the drafter's block ``[bonus, MASK x L]`` at positions ``prefix ..`` -> per-depth logits
    (or, under tensor parallelism, their merged top-K and logsumexp: ``tp_head``);
-2. ``ddtree_runtime.tree`` builds the tree (CUDA kernels on GPU) and the verify arrays:
+2. ``ddtree_runtime.core.tree`` builds the tree (CUDA kernels on GPU) and the verify arrays:
    tokens, positions ``prefix + depth``, the ancestor mask (``tree_step.plan_tree_verify``);
 3. ONE target forward over ``budget + 1`` rows per request, written at logical positions
    ``prefix .. prefix + budget``; the hidden states are checked (None, rank, width, rows)
@@ -31,7 +31,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from ddtree_runtime.contract import ContractError, HiddenContract, check_hidden_states
+from ddtree_runtime.core.contract import ContractError, HiddenContract, check_hidden_states
+from ddtree_runtime.core.tree import DraftTopK, WalkResult, walk_greedy, walk_sample
 from ddtree_runtime.sglang_plugin.tree_commit import KVCommit, commit_accepted_kv
 from ddtree_runtime.sglang_plugin.tree_step import (
     TreeAccept,
@@ -39,7 +40,6 @@ from ddtree_runtime.sglang_plugin.tree_step import (
     draft_position_logits,
     plan_tree_verify,
 )
-from ddtree_runtime.tree import DraftTopK, WalkResult, walk_greedy, walk_sample
 
 
 class RoundModels(Protocol):

@@ -1,6 +1,6 @@
 """One DDTREE round in SGLang's tensor layout, between the drafter's logits and the KV commit.
 
-Pure tensor code on top of ``ddtree_runtime.tree`` (which dispatches to the CUDA kernels on GPU):
+Pure tensor code on top of ``ddtree_runtime.core.tree`` (which dispatches to the CUDA kernels on GPU):
 the worker calls these with the drafter's logits and the target's verify output. SGLang's
 layout conventions (EAGLE/DFlash verify inputs):
 
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ddtree_runtime.tree import (
+from ddtree_runtime.core.tree import (
     DraftTopK,
     DraftTree,
     VerifyInputs,

@@ -3,7 +3,7 @@
 What it adds to ``DFlashWorkerV2`` (which keeps the drafter, its KV pool, the prompt
 materialisation and the CUDA graphs):
 
-* start-up: the hidden-state width check (``ddtree_runtime.contract``); a mismatch fails the
+* start-up: the hidden-state width check (``ddtree_runtime.core.contract``); a mismatch fails the
   start instead of handing the drafter ``[N, 5120]`` where it expects ``[N, 25600]``;
 * after every target forward that captures hidden states for the drafter: the None / shape
   check, and the live handshake (``/server_info``, ``sglang:ddtree_*``);
@@ -15,7 +15,7 @@ Decode:
 * the chain case (top-k cap 1, budget = block - 1) is exactly DFlash's argmax chain
   (ddtree-algorithm.md section 7, case 4) and runs ``DFlashWorkerV2``'s own decode;
 * every other configuration runs the tree round (``tree_round.run_tree_round``): DFlash's drafter
-  block -> ``ddtree_runtime.tree`` -> one tree-masked target verify of budget + 1 rows -> hidden
+  block -> ``ddtree_runtime.core.tree`` -> one tree-masked target verify of budget + 1 rows -> hidden
   guard -> walk (greedy, or lossless sampling) -> stop truncation -> KV commit (page size 1:
   re-map the reserved window; page size > 1: move rows) -> the drafter gets the accepted rows'
   hidden states by node index. The model passes are ``sglang_round.SGLangRoundModels``.
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
-from ddtree_runtime.contract import ContractError, HiddenContract, check_hidden_states, load_contract
+from ddtree_runtime.core.contract import ContractError, HiddenContract, check_hidden_states, load_contract
 from ddtree_runtime.sglang_plugin.algorithm import is_chain, published_settings, resolved_settings
 from ddtree_runtime.sglang_plugin.gates import GDN, DDTreeConfigError, hybrid_kind, kind_note
 from ddtree_runtime.sglang_plugin.handshake import HandshakeMetrics, HandshakeState, static_handshake

@@ -18,7 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
-from ddtree_runtime.kernels import build, topk, walk
+from ddtree_runtime.core.kernels import build, topk, walk
 
 TARGET = GPUTarget("cuda", 90, 32)
 

@@ -8,8 +8,8 @@ SGLang's ``fused_commit_track_indices`` (the GPU branch of ``_verify_commit_step
 ``accept_index`` into node rows and the mamba-track crossing rows; ``scatter_mamba_states_after_mtp_verify``
 copies them into the pool (request slots and track slots). Checked: the rows equal the eager formula and
 the accepted / crossing node; the committed slots equal the scratch rows bit for bit and the plain
-recurrence (``ddtree_runtime.lab.gdn``) token by token along the accepted path; and the chain layout of
-the conv scratch (SGLang's choice for top-k <= 1) commits wrong windows for the same trees.
+recurrence (``ddtree_runtime.tiny_engine.gdn``) token by token along the accepted path; and the chain
+layout of the conv scratch (SGLang's choice for top-k <= 1) commits wrong windows for the same trees.
 
     PYTHONPATH=<carried sglang kernels>:. python scripts/kernels/gdn_tree_commit_check.py
 
@@ -24,7 +24,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ddtree_runtime.lab import gdn
+from ddtree_runtime.tiny_engine import gdn
 
 H, HV, K, V, W = 16, 48, 128, 128, 4
 C = 2 * H * K + HV * V
@@ -41,7 +41,7 @@ def _case(seed: int, ssm_dtype: torch.dtype, budget: int, slots: list[int], trac
         scatter_mamba_states_after_mtp_verify,
     )
 
-    from ddtree_runtime.tree import build_tree, compile_tree
+    from ddtree_runtime.core.tree import build_tree, compile_tree
 
     dev = "cuda"
     g = torch.Generator().manual_seed(seed)

@@ -52,7 +52,7 @@ SMOKE = Shapes(hv=4, h=2, k=16, v=16, w=4, block=4, act=torch.float32)  # the in
 
 def tree_links(batch: int, budget: int, horizon: int, device: str, seed: int) -> tuple[torch.Tensor, ...]:
     """Our tree for random, fairly flat drafter distributions: (first child, next sibling, parents)."""
-    from ddtree_runtime.tree import build_tree, compile_tree
+    from ddtree_runtime.core.tree import build_tree, compile_tree
 
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(batch, horizon, 1000, generator=g) * 2.0
@@ -145,10 +145,10 @@ CONFIGS = {"chain16": (None, False), "tree16": (16, True), "tree64": (64, True)}
 
 
 def check_against_reference(layer: Layer) -> dict:
-    """One fresh run of the kernels against ``ddtree_runtime.lab.gdn`` (the plain recurrence by parent
+    """One fresh run of the kernels against ``ddtree_runtime.tiny_engine.gdn`` (the plain recurrence by parent
     pointer, fp32): conv outputs from the same bf16 inputs, then every row's SSM state and output
     from the kernel's own conv output. Parents as the conv kernel derived them."""
-    from ddtree_runtime.lab import gdn
+    from ddtree_runtime.tiny_engine import gdn
 
     shp, b, t = layer.shp, layer.batch, layer.rows
     window0 = layer.conv_pool[: b].clone()

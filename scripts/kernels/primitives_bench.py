@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ddtree_runtime.bench import _eager_times
-from ddtree_runtime.kernels.build import _pick  # the build heap's own 7-field combine
+from ddtree_runtime.core.kernels.build import _pick  # the build heap's own 7-field combine
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """The drafter's head under TP 2, per decode round, on ONE GPU: bytes, correctness, time.
 
-What a rank of a TP group does per round, before and after issue 25 (``ddtree_runtime.tp_head``):
+What a rank of a TP group does per round, before and after issue 25 (``ddtree_runtime.core.tp_head``):
 
 * before: write its shard into a ``-inf`` ``[N, V]`` fp32 tensor, MAX all-reduce it, then the
   tree's top-K + logsumexp over the full vocabulary (the Triton kernel);
@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, 
 
 import torch
 
-from ddtree_runtime import kernels
-from ddtree_runtime.kernels.topk import topk_log_probs
-from ddtree_runtime.tp_head import merge, pack, shard_topk, vocab_shards
-from ddtree_runtime.tp_head_cost import allreduce_bytes, exchange_bytes, head_rows
+from ddtree_runtime.core import kernels
+from ddtree_runtime.core.kernels.topk import topk_log_probs
+from ddtree_runtime.core.tp_head import merge, pack, shard_topk, vocab_shards
+from ddtree_runtime.core.tp_head_cost import allreduce_bytes, exchange_bytes, head_rows
 
 HORIZON = 15  # Qwen3.6-27B-DFlash: block 16 -> 15 depth rows per request
 VOCAB = 248320

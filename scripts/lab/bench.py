@@ -19,8 +19,9 @@ import sys
 import tempfile
 import time
 
-from ddtree_runtime.ops import lab_rootfs, labhosts
-from ddtree_runtime.ops.lab_spec import Lab
+from ddtree_runtime.ops.labhosts import hosts as labhosts
+from ddtree_runtime.ops.labhosts import rootfs as lab_rootfs
+from ddtree_runtime.ops.labhosts.spec import Lab
 
 NAME = "bench"
 INSTALL = (

@@ -14,7 +14,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-from ddtree_runtime import kernels, tree  # noqa: E402
+from ddtree_runtime.core import kernels, tree  # noqa: E402
 
 DEV = "cuda"
 
@@ -79,7 +79,7 @@ def test_available_on_cuda():
 def test_round_matches_plain_path(monkeypatch, batch, horizon, vocab, budget, dtype, cap):
     """Stage by stage on the same inputs: the kernels' logsumexp sums in another order than
     PyTorch's, so log-probs may differ by an ulp, which flips path scores that tie within an ulp."""
-    from ddtree_runtime.kernels.topk import topk_log_probs
+    from ddtree_runtime.core.kernels.topk import topk_log_probs
 
     gen = torch.Generator(device=DEV).manual_seed(batch * 1000 + budget)
     draft = (torch.randn((batch, horizon, vocab), device=DEV, generator=gen) * 3).to(dtype)
@@ -114,7 +114,7 @@ def test_large_budget_stage_by_stage(monkeypatch):
     kernels' and PyTorch's logsumexp (summed in another order) may round apart; so each stage is
     compared on the same inputs: top-K with the plain top-K, the tree with the reference heap on
     the kernels' top-K, and compile / walk / commit with the plain functions on the same tree."""
-    from ddtree_runtime.kernels.topk import topk_log_probs
+    from ddtree_runtime.core.kernels.topk import topk_log_probs
 
     gen = torch.Generator(device=DEV).manual_seed(11)
     batch, budget, vocab = 2, 1024, 248320
@@ -243,7 +243,7 @@ def test_sharded_head_is_the_single_rank_tree_without_sync_and_in_a_graph():
     """TP 2's drafter head on one GPU (the all-gather stands in as a concatenation): shard top-K in
     the kernel, the merge in torch; no host sync, captured in a CUDA graph and replayed with new
     logits; the tree = the single-rank kernel tree over the full vocabulary."""
-    from ddtree_runtime.tp_head import VocabShard, merge, pack, shard_topk
+    from ddtree_runtime.core.tp_head import VocabShard, merge, pack, shard_topk
 
     vocab, budget, batch, horizon = 248320, 64, 4, 15
     gen = torch.Generator(device=DEV).manual_seed(7)
@@ -285,7 +285,7 @@ def test_sharded_head_is_the_single_rank_tree_without_sync_and_in_a_graph():
 @pytest.mark.parametrize("k", [16, 64, 256, 1024])
 @pytest.mark.parametrize("variant", ["planned", "tight_buffer", "many_chunks"])
 def test_topk_is_the_stable_order_full_vocab(rows, k, variant):
-    from ddtree_runtime.kernels.topk import plan, topk_log_probs
+    from ddtree_runtime.core.kernels.topk import plan, topk_log_probs
 
     if variant == "many_chunks" and k > 64:
         pytest.skip("chunks of 4 tiles keep ~2 KC keys each: pairwise ranking of them is the slow path")
@@ -315,7 +315,7 @@ def test_topk_is_the_stable_order_full_vocab(rows, k, variant):
 
 @pytest.mark.parametrize(("batch", "budget"), [(1, 64), (4, 1024), (32, 64)])
 def test_lazy_and_full_walk_match_plain(monkeypatch, batch, budget):
-    from ddtree_runtime.kernels.walk import walk_arrays
+    from ddtree_runtime.core.kernels.walk import walk_arrays
 
     vocab = 248320
     gen = torch.Generator(device=DEV).manual_seed(batch + budget)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_runtime.ops.lab_spec import NAME_MAX, Lab, lab_dir, repo_root
+from ddtree_runtime.ops.labhosts.spec import NAME_MAX, Lab, lab_dir, repo_root
 
 REPO = repo_root()
 BIN = Path(sys.executable).parent

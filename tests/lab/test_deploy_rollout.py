@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_runtime.ops import lab_nspawn
+from ddtree_runtime.ops.labhosts import nspawn as lab_nspawn
 
 # In a parallel run, one worker runs this module with the rest of tests/conftest.py's lab-engine group, in
 # file order on one lab: they share what a module deploys on ct129/ct130 (build A installs once).

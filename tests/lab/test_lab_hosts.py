@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_runtime.ops import lab_net, lab_nspawn
-from ddtree_runtime.ops.lab_spec import WHEELHOUSE_MOUNT, Lab
+from ddtree_runtime.ops.labhosts import net as lab_net
+from ddtree_runtime.ops.labhosts import nspawn as lab_nspawn
+from ddtree_runtime.ops.labhosts.spec import WHEELHOUSE_MOUNT, Lab
 from tests.lab.conftest import REPO, LabHandle, ddtree, require_lab
 
 pytestmark = pytest.mark.lab

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ddtree_runtime.ops import lab_wheelhouse
-from ddtree_runtime.ops.lab_spec import DEFAULT_NAME, MAX_HOSTS, Lab, LabSpecError, repo_root
+from ddtree_runtime.ops.labhosts import wheelhouse as lab_wheelhouse
+from ddtree_runtime.ops.labhosts.spec import DEFAULT_NAME, MAX_HOSTS, Lab, LabSpecError, repo_root
 
 REPO = repo_root()
 

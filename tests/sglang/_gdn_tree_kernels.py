@@ -24,8 +24,8 @@ from sglang.kernels.ops.attention.linear.fused_sigmoid_gating_recurrent import (
 )
 from sglang.kernels.ops.mamba.causal_conv1d_triton import causal_conv1d_update  # noqa: E402
 
-from ddtree_runtime.lab import gdn  # noqa: E402
-from ddtree_runtime.tree import build_tree, compile_tree  # noqa: E402
+from ddtree_runtime.core.tree import build_tree, compile_tree  # noqa: E402
+from ddtree_runtime.tiny_engine import gdn  # noqa: E402
 
 H, HV, KD, VD, W = 2, 4, 16, 16, 4  # tiny GDN: 2 q/k heads, 4 value heads, head dim 16, conv width 4
 C = 2 * H * KD + HV * VD

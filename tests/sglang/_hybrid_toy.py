@@ -12,7 +12,7 @@ scatter (``_scatter_speculative_state_with_mask``) with the same arguments.
 
 The attention layer and the logits are the toy of ``_tree_decode_toy.py`` (float64, on SGLang's
 KV pool); the GDN layer is float32 (its kernels' precision). ``reference_greedy`` decodes the same
-model token by token in plain PyTorch (``ddtree_runtime.lab.gdn``): the plugin's tree rounds must
+model token by token in plain PyTorch (``ddtree_runtime.tiny_engine.gdn``): the plugin's tree rounds must
 reproduce its tokens, and its recurrent state, exactly.
 """
 
@@ -24,7 +24,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from ddtree_runtime.lab import gdn
+from ddtree_runtime.tiny_engine import gdn
 from tests.sglang._tree_decode_toy import DTYPE, ToyModels, ToyTarget
 
 H, HV, KD, VD, W = 2, 4, 8, 8, 4  # q/k heads, value heads, head dims, conv width

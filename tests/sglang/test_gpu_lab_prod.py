@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_runtime.contract import load_contract
+from ddtree_runtime.core.contract import load_contract
 
 prod_shape = pytest.importorskip("ddtree_sglang_gpu_lab.prod_shape")
 profile_gaps = pytest.importorskip("ddtree_sglang_gpu_lab.profile_gaps")

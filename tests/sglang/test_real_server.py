@@ -159,7 +159,7 @@ def test_server_info_and_metrics_carry_the_handshake(ddtree):
 
 
 def test_live_probe_passes_with_the_handshake(ddtree):
-    from ddtree_runtime.probe import live_probe
+    from ddtree_runtime.health.probe import live_probe
 
     started = time.monotonic()
     probe = live_probe(
@@ -264,7 +264,7 @@ def test_sampling_and_chat_answer(ddtree):
 
 
 def test_a_drafter_that_agrees_gets_whole_trees_accepted(models, tmp_path_factory, ddtree):
-    from ddtree_runtime.lab.tokenizer import LabTokenizer
+    from ddtree_runtime.tiny_engine.tokenizer import LabTokenizer
 
     ddtree.stop()  # one real server at a time
     word = LabTokenizer().token_id(" cat")

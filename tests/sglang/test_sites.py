@@ -161,7 +161,7 @@ def test_target_captures_the_drafters_layers_for_ddtree(published_ddtree, sglang
     so the drafter got [N, H] instead of [N, K*H]. SGLang's own capture resolver, for DDTREE."""
     from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
-    from ddtree_runtime.contract import load_contract
+    from ddtree_runtime.core.contract import load_contract
 
     ddtree = _capture_config(published_ddtree, sglang_plugins.from_string("DDTREE"))
     dflash = _capture_config(published_ddtree, sglang_plugins.DFLASH)

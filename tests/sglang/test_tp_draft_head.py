@@ -89,7 +89,7 @@ def _rank_main(rank: int, init_file: str, out_dir: str) -> None:
     _parallel_state(rank, init_file)
     from sglang.srt.runtime_context import get_parallel
 
-    from ddtree_runtime import tree
+    from ddtree_runtime.core import tree
     from ddtree_runtime.sglang_plugin.draft_head import draft_head
 
     group = get_parallel().tp_group
@@ -241,7 +241,7 @@ def test_sglangs_shards_are_real_rows_then_padding(ranks):
 
 
 def test_the_sharded_head_is_the_single_rank_head_on_both_ranks(ranks):
-    from ddtree_runtime import tree
+    from ddtree_runtime.core import tree
 
     weight, hidden = head_inputs()
     for name, (budget, cap) in HEAD_CASES.items():
@@ -260,8 +260,8 @@ def test_the_sharded_head_is_the_single_rank_head_on_both_ranks(ranks):
 
 
 def test_the_worker_decodes_the_targets_greedy_tokens_at_tp2(ranks):
-    from ddtree_runtime import tree
-    from ddtree_runtime.tree import DraftTopK
+    from ddtree_runtime.core import tree
+    from ddtree_runtime.core.tree import DraftTopK
 
     for r, rank in enumerate(ranks):
         decode = rank["decode"]
@@ -282,7 +282,7 @@ def test_vocab_shards_is_sglangs_layout(vocab, world):
     own ``_get_indices`` for the same vocabulary and TP size (the padding rule as its __init__)."""
     from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding, pad_vocab_size
 
-    from ddtree_runtime.tp_head import vocab_shards
+    from ddtree_runtime.core.tp_head import vocab_shards
 
     padding = 64 if pad_vocab_size(vocab, 64) % world == 0 else 64 * world
     padded = pad_vocab_size(vocab, padding)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ddtree_runtime.core.tree import walk_posterior
 from ddtree_runtime.sglang_plugin.tree_commit import accepted_first_order, commit_accepted_kv
 from ddtree_runtime.sglang_plugin.tree_round import RoundConfig, RoundInput, run_tree_round, truncate_at_stop
 from ddtree_runtime.sglang_plugin.tree_step import plan_tree_verify
-from ddtree_runtime.tree import walk_posterior
 from tests.sglang._tree_decode_toy import DTYPE, ToyModels, ToyTarget, make_pools
 
 pytestmark = pytest.mark.sglang
@@ -304,7 +304,7 @@ def test_sampled_rounds_commit_consistent_kv_and_tokens():
 
 
 def test_the_hidden_guard_runs_after_the_verify_forward():
-    from ddtree_runtime.contract import ContractError, HiddenContract
+    from ddtree_runtime.core.contract import ContractError, HiddenContract
 
     target, models, rows, _, _, _, bonus, cfg, kv = _setup([[1, 2, 3]])
     inp = RoundInput(
@@ -401,7 +401,7 @@ def _truncate_reference(emitted: list[int], num: int, stops: frozenset[int]) -> 
 def test_truncate_at_stop_cuts_at_the_first_stop_of_each_request_like_reading_its_tokens():
     """The on-device cut against the plain per-request scan, on random walks and stop sets (stops
     anywhere, several per request, none, in the padding, repeated)."""
-    from ddtree_runtime.tree_types import WalkResult
+    from ddtree_runtime.core.tree_types import WalkResult
 
     gen = torch.Generator().manual_seed(5)
     for _ in range(40):

@@ -1,4 +1,4 @@
-"""The tree step's SGLang-layout arrays on CUDA (``ddtree_runtime.kernels`` dispatched by the tree
+"""The tree step's SGLang-layout arrays on CUDA (``ddtree_runtime.core.kernels`` dispatched by the tree
 module) equal the CPU path's. Needs a GPU, not SGLang: SGLang's CUDA wheels are not on our GPU
 machine, and this checks our side of the seam only."""
 

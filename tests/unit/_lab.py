@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
-import ddtree_runtime.lab as lab_pkg
+import ddtree_runtime.tiny_engine as lab_pkg
 
 _SOURCES = ("make.py", "models.py", "gdn.py", "language.py", "tokenizer.py", "hf_tokenizer.py")
 
@@ -38,7 +38,7 @@ def lab_models(kind: str = "dense") -> Path:
     with open(root / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not stamp.exists():
-            from ddtree_runtime.lab.make import make_models
+            from ddtree_runtime.tiny_engine.make import make_models
 
             summary = make_models(root, kind=kind, log=lambda _msg: None)
             stamp.write_text(json.dumps(summary))

@@ -4,7 +4,7 @@ position s + j and ``input_top_logprobs[j]`` the target's top tokens there, both
 
 from __future__ import annotations
 
-from ddtree_runtime.lossless import Generation
+from ddtree_runtime.health.lossless import Generation
 
 PROMPT = [84, 104, 101, 32]
 

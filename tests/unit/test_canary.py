@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_runtime import canary
-from ddtree_runtime.canary import Answer, CanaryInputError, Side, SideUnavailable, Thresholds
+from ddtree_runtime.health import canary
+from ddtree_runtime.health.canary import Answer, CanaryInputError, Side, SideUnavailable, Thresholds
 from tests.unit._lab import LabServerProcess, free_port, lab_models
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]

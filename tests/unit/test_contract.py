@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ddtree_runtime.contract import (
+from ddtree_runtime.core.contract import (
     ContractError,
     HiddenContract,
     build_target_layer_ids,

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from ddtree_runtime import canary
-from ddtree_runtime.canary import Answer, CanaryInputError, Side, Thresholds
+from ddtree_runtime.health import canary
+from ddtree_runtime.health.canary import Answer, CanaryInputError, Side, Thresholds
 from tests.unit.hostile_http import HostileServer, raw, respond
 
 

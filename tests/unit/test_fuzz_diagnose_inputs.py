@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_runtime import diagnose
+from ddtree_runtime.health import diagnose
 
 OOM = "Not enough memory. Please try to increase --mem-fraction-static (mem_fraction_static=0.5)"
 

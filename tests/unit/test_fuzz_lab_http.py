@@ -129,7 +129,7 @@ def _sglang_verdict(body: dict, vocab: int) -> str | None:
 
 @pytest.mark.parametrize("seed", range(60))
 def test_sampling_params_are_judged_as_sglang_judges_them(server: LabServerProcess, seed: int) -> None:
-    from ddtree_runtime.lab.tokenizer import LabTokenizer
+    from ddtree_runtime.tiny_engine.tokenizer import LabTokenizer
 
     body = _sampling_case(seed)
     verdict = _sglang_verdict(body, LabTokenizer().vocab_size)
@@ -294,8 +294,8 @@ def test_sigterm_drains_despite_a_client_stalled_mid_body(server: LabServerProce
 def test_an_omitted_temperature_is_sglangs_default() -> None:
     """A request that names no temperature samples, as SGLang's SamplingParams() does."""
     sampling = pytest.importorskip("sglang.srt.sampling.sampling_params")
-    from ddtree_runtime.lab.http_api import sampling_params
-    from ddtree_runtime.lab.tokenizer import LabTokenizer
+    from ddtree_runtime.tiny_engine.http_api import sampling_params
+    from ddtree_runtime.tiny_engine.tokenizer import LabTokenizer
 
     vocab = LabTokenizer().vocab_size
     default = sampling.SamplingParams().temperature

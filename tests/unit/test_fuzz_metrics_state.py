@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ddtree_runtime import metrics
+from ddtree_runtime.health import metrics
 from tests.unit._lab import free_port
 
 GOOD_PROBE = {"probe": "live", "ok": True, "cause": None, "time": 1.7e9,

@@ -30,7 +30,7 @@ H200 = "0, NVIDIA H200, 143771, 143156, 615"
 def description(tmp_path_factory) -> dict[str, Any]:
     target, draft = write_full_checkpoint_pair(tmp_path_factory.mktemp("qwen36"), "qwen3.6-27b")
     out = subprocess.run(
-        [sys.executable, str(REPO / "ddtree_runtime/contract.py"), "describe", str(target), str(draft)],
+        [sys.executable, str(REPO / "ddtree_runtime/core/contract.py"), "describe", str(target), str(draft)],
         capture_output=True,
         text=True,
         timeout=60,

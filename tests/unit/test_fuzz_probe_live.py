@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from ddtree_runtime.probe import EXIT_FAILED, EXIT_NOT_READY, EXIT_PASS, live_probe
+from ddtree_runtime.health.probe import EXIT_FAILED, EXIT_NOT_READY, EXIT_PASS, live_probe
 from tests.unit.fake_sglang import SERVER_INFO
 from tests.unit.hostile_http import HostileServer, close, drip, endless, hang, raw, reset, respond
 
@@ -332,7 +332,7 @@ def test_bad_arguments_are_exit_2_at_once(args: list[str]) -> None:
                                   "generate: drips"])
 def test_canary_compare_names_a_misbehaving_shadow(name: str) -> None:
     """`ddtree canary compare` reads the same answers: a broken shadow aborts the canary, in one line."""
-    from ddtree_runtime.canary import compare
+    from ddtree_runtime.health.canary import compare
 
     healthy, broken = Case(), Case()
     DEFECTS[name](broken)

@@ -2,7 +2,7 @@
 path (issue 23, classes 1-3): refused at preflight naming the variable, the value and the rule, or
 quoted so that systemd reads back exactly what was meant.
 
-The rules (ddtree_runtime/deploy_inputs.py) are checked directly, case by case; the roles' use of them
+The rules (ddtree_runtime/inputs/deploy_inputs.py) are checked directly, case by case; the roles' use of them
 through real ansible-playbook runs (a few, each carrying many cases at once: the check reports every
 problem); the rendered files through systemd's own parsers (tests/unit/_systemd.py).
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from ddtree_runtime import deploy_inputs as rules
+from ddtree_runtime.inputs import deploy_inputs as rules
 from tests.unit import _systemd
 from tests.unit._ansible import PLAYBOOKS, REPO, playbook
 

@@ -1,5 +1,6 @@
 """The package's import graph: no two modules import each other (the last circles were untangled in
-December 2026), and the host side never imports the controller side.
+December 2026), the host side never imports the controller side, and each floor imports only the floors
+below it (core at the bottom; health and the input rules on core; the engines on core).
 
 Read statically (every `import` statement, also those inside functions: a lazy import is still a
 dependency), so the test sees circles that only bite at run time.
@@ -20,6 +21,16 @@ ROOT = Path(__file__).resolve().parents[2] / PACKAGE
 CONTROLLER = (f"{PACKAGE}.ops",)
 # The CLI composes both sides by module name (importlib), so it is neither.
 COMPOSERS = (f"{PACKAGE}.cli", f"{PACKAGE}.__main__")
+
+# Each floor (a folder) and the floors of ours it may import; the package root (its version) is open to all.
+FLOORS: dict[str, tuple[str, ...]] = {
+    f"{PACKAGE}.core": (),
+    f"{PACKAGE}.health": (f"{PACKAGE}.core",),
+    f"{PACKAGE}.inputs": (f"{PACKAGE}.core",),
+    f"{PACKAGE}.tiny_engine": (f"{PACKAGE}.core",),
+    f"{PACKAGE}.sglang_plugin": (f"{PACKAGE}.core",),
+    f"{PACKAGE}.planner": (f"{PACKAGE}.core", f"{PACKAGE}.inputs"),
+}
 
 # Circles still to untangle (ARCHITECTURE: "untangle one when you work in its rooms"). Shrink only.
 KNOWN_CIRCLES: set[frozenset[str]] = set()
@@ -109,8 +120,31 @@ def _is_controller(module: str) -> bool:
 def test_graph_sees_lazy_and_relative_imports() -> None:
     graph = import_graph()
     # tree dispatches to the kernels inside functions; kernels/__init__ imports .build lazily.
-    assert f"{PACKAGE}.kernels" in graph[f"{PACKAGE}.tree"]
-    assert f"{PACKAGE}.kernels.build" in graph[f"{PACKAGE}.kernels"]
+    assert f"{PACKAGE}.core.kernels" in graph[f"{PACKAGE}.core.tree"]
+    assert f"{PACKAGE}.core.kernels.build" in graph[f"{PACKAGE}.core.kernels"]
+
+
+def _floor(module: str) -> str | None:
+    return next((f for f in FLOORS if module == f or module.startswith(f + ".")), None)
+
+
+@pytest.mark.parametrize("module", sorted(_modules()))
+def test_each_floor_imports_only_the_floors_below(module: str) -> None:
+    floor = _floor(module)
+    if floor is None:
+        return
+    allowed = (floor, *FLOORS[floor])
+    bad = {t for t in import_graph()[module]
+           if t != PACKAGE and not any(t == a or t.startswith(a + ".") for a in allowed)}  # fmt: skip
+    assert not bad, f"{module} ({floor}) may import only {sorted(allowed)}, imports {sorted(bad)}"
+
+
+def test_floor_rule_sees_a_reach_upwards() -> None:
+    """The rule above is not vacuous: core's tree reaches the kernels, health's probe the contract."""
+    graph = import_graph()
+    assert _floor(f"{PACKAGE}.core.tree") == f"{PACKAGE}.core"
+    assert f"{PACKAGE}.core.contract" in graph[f"{PACKAGE}.health.probe"]
+    assert _floor(f"{PACKAGE}.ops.fleet") is None  # the controller side may import any floor
 
 
 def test_no_import_circles() -> None:

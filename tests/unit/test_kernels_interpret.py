@@ -1,6 +1,6 @@
 """The Triton kernels on the CPU through Triton's interpreter (TRITON_INTERPRET=1), small shapes.
 
-Same contract as ``ddtree_runtime.tree``: every result is compared with the plain path (and the
+Same contract as ``ddtree_runtime.core.tree``: every result is compared with the plain path (and the
 tree with the literal reference heap), including exact ties, budgets larger than the vocabulary,
 a top-K cap and masked (-inf) vocabulary.
 """
@@ -30,7 +30,7 @@ if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
 os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from ddtree_runtime import kernels, tree  # noqa: E402
+from ddtree_runtime.core import kernels, tree  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 before triton is imported"
@@ -76,7 +76,7 @@ def stable_topk(logits, k):
     ],
 )
 def test_topk_log_probs_is_the_stable_order(shape, k, dtype, kind):
-    from ddtree_runtime.kernels.topk import topk_log_probs
+    from ddtree_runtime.core.kernels.topk import topk_log_probs
 
     gen = torch.Generator().manual_seed(k)
     x = torch.randn(shape, generator=gen) * 3
@@ -111,7 +111,7 @@ def test_topk_log_probs_is_the_stable_order(shape, k, dtype, kind):
 @pytest.mark.parametrize("kind", ["randn", "ties", "masked"])
 def test_topk_streaming_paths(k, variant, opts, kind):
     """Rows long enough that every path runs: mid-stream tightening, many chunks, exact bound."""
-    from ddtree_runtime.kernels.topk import plan, topk_log_probs
+    from ddtree_runtime.core.kernels.topk import plan, topk_log_probs
 
     gen = torch.Generator().manual_seed(k)
     vocab = 20000
@@ -133,7 +133,7 @@ def test_topk_streaming_paths(k, variant, opts, kind):
 
 
 def test_topk_rejects_k_out_of_range():
-    from ddtree_runtime.kernels.topk import topk_log_probs
+    from ddtree_runtime.core.kernels.topk import topk_log_probs
 
     with pytest.raises(ValueError, match="k must be in"):
         topk_log_probs(torch.randn(1, 1, 10), 11)
@@ -163,7 +163,7 @@ def test_shard_topk_ranks_the_logits_themselves(kind, k):
 
 
 def test_sharded_head_with_the_kernel_builds_the_single_rank_tree():
-    from ddtree_runtime.tp_head import VocabShard, merge, pack, shard_topk
+    from ddtree_runtime.core.tp_head import VocabShard, merge, pack, shard_topk
 
     gen = torch.Generator().manual_seed(5)
     v, budget = 2501, 24
@@ -185,8 +185,8 @@ def test_logits_an_ulp_apart_rank_by_logit_on_every_path():
     rounded log-prob with ties to the lower id, the order, and at the cut the ids, followed that
     bit. Here every pair rounds to one log-prob, the higher logit on the higher id, the cut inside
     the last pair: every path must give the logit order and one tree."""
-    from ddtree_runtime.kernels.topk import topk_log_probs
-    from ddtree_runtime.tp_head import VocabShard, merge, pack, shard_topk
+    from ddtree_runtime.core.kernels.topk import topk_log_probs
+    from ddtree_runtime.core.tp_head import VocabShard, merge, pack, shard_topk
 
     gen = torch.Generator().manual_seed(25)
     v, k, pairs = 2501, 25, 13
@@ -246,7 +246,7 @@ def test_tp_head_bench_runs_its_checks_on_the_cpu(capsys):
     [(2, 4, 16, 16), (1, 15, 40, 40), (2, 3, 3, 60), (1, 2, 1, 4)],
 )
 def test_build_matches_reference_heap(b, horizon, k, budget):
-    from ddtree_runtime.kernels.build import build_from_topk
+    from ddtree_runtime.core.kernels.build import build_from_topk
 
     gen = torch.Generator().manual_seed(budget)
     lp, ids = tree.topk_log_probs(torch.randn(b, horizon, 50, generator=gen), k)
@@ -267,7 +267,7 @@ def test_build_matches_reference_heap(b, horizon, k, budget):
 
 
 def test_build_exact_ties_follow_the_ranks_tuple():
-    from ddtree_runtime.kernels.build import build_from_topk
+    from ddtree_runtime.core.kernels.build import build_from_topk
 
     # Equal log-probs everywhere: every tie is decided by the ranks tuple (prefix first).
     lp, ids = tree.topk_log_probs(torch.zeros(1, 4, 8), 8)
@@ -279,7 +279,7 @@ def test_build_exact_ties_follow_the_ranks_tuple():
 
 
 def test_build_rejects_horizon_beyond_the_kernel():
-    from ddtree_runtime.kernels.build import build_from_topk
+    from ddtree_runtime.core.kernels.build import build_from_topk
 
     lp, ids = tree.topk_log_probs(torch.randn(1, 16, 20), 4)
     with pytest.raises(ValueError, match="L <= 15"):
@@ -338,7 +338,7 @@ def test_round_matches_plain_path(b, horizon, vocab, budget, cap, page_size, dty
 )
 def test_walk_full_and_lazy_match_plain(b, horizon, vocab, budget, lazy):
     """Both walks (the full argmax, and the per-depth launches that read only visited rows)."""
-    from ddtree_runtime.kernels.walk import walk_arrays
+    from ddtree_runtime.core.kernels.walk import walk_arrays
 
     gen = torch.Generator().manual_seed(b * 100 + vocab)
     draft = torch.randn(b, horizon, vocab, generator=gen)

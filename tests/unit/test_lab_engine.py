@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddtree_runtime.lab.engine import HiddenStateError, LabEngine, SamplingParams
-from ddtree_runtime.lab.language import LAB_PROMPTS
+from ddtree_runtime.tiny_engine.engine import HiddenStateError, LabEngine, SamplingParams
+from ddtree_runtime.tiny_engine.language import LAB_PROMPTS
 from tests.unit._lab import lab_models, one_thread
 
 NEW = 48
@@ -194,7 +194,7 @@ def test_bad_sampling_params_are_named() -> None:
 
 
 def test_bench_prints_one_json_line_per_method(models: Path, capsys) -> None:
-    from ddtree_runtime.lab.bench import main
+    from ddtree_runtime.tiny_engine.bench import main
 
     assert main(["--models", str(models), "--device", "cpu", "--max-new-tokens", "12", "--repeats", "1"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddtree_runtime.lab.engine import LabEngine, SamplingParams
-from ddtree_runtime.lab.language import LAB_PROMPTS
+from ddtree_runtime.tiny_engine.engine import LabEngine, SamplingParams
+from ddtree_runtime.tiny_engine.language import LAB_PROMPTS
 from tests.unit._lab import lab_models, one_thread
 
 NEW = 40
@@ -55,7 +55,7 @@ def greedy(engines) -> dict[str, tuple[list[list[int]], float]]:
 def test_the_pair_is_a_qwen35_style_hybrid(engines, models: Path) -> None:
     import json
 
-    from ddtree_runtime.contract import load_contract
+    from ddtree_runtime.core.contract import load_contract
 
     target = engines["AR"].target
     assert target.cfg.layer_types == ("linear_attention",) * 3 + ("full_attention",)
@@ -135,7 +135,7 @@ def test_committing_by_row_count_breaks_trees_but_not_the_chain(models: Path, gr
 
 
 def test_served_hybrid_pair_passes_the_live_probe_reporting_it_hybrid(models: Path, tmp_path: Path) -> None:
-    from ddtree_runtime.probe import EXIT_PASS, live_probe, static_probe
+    from ddtree_runtime.health.probe import EXIT_PASS, live_probe, static_probe
     from tests.unit._lab import LabServerProcess
 
     static = static_probe(str(models / "target"), str(models / "draft"))

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from ddtree_runtime.lab.hf_tokenizer import save_hf_tokenizer
-from ddtree_runtime.lab.language import LabLanguage
-from ddtree_runtime.lab.tokenizer import EOS_TOKEN_ID, LabTokenizer
+from ddtree_runtime.tiny_engine.hf_tokenizer import save_hf_tokenizer
+from ddtree_runtime.tiny_engine.language import LabLanguage
+from ddtree_runtime.tiny_engine.tokenizer import EOS_TOKEN_ID, LabTokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ddtree_runtime.contract import ContractError, load_contract
-from ddtree_runtime.lab.engine import LabEngine, SamplingParams
-from ddtree_runtime.lab.language import LAB_PROMPTS
-from ddtree_runtime.lab.make import make_models
-from ddtree_runtime.lab.tokenizer import EOS_TOKEN_ID, MASK_TOKEN_ID, LabTokenizer
+from ddtree_runtime.core.contract import ContractError, load_contract
+from ddtree_runtime.tiny_engine.engine import LabEngine, SamplingParams
+from ddtree_runtime.tiny_engine.language import LAB_PROMPTS
+from ddtree_runtime.tiny_engine.make import make_models
+from ddtree_runtime.tiny_engine.tokenizer import EOS_TOKEN_ID, MASK_TOKEN_ID, LabTokenizer
 from tests.unit._lab import lab_models, one_thread
 
 

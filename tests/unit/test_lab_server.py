@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_runtime import diagnose
 from ddtree_runtime.cli import build_parser
-from ddtree_runtime.lab.engine import LabEngine, SamplingParams
-from ddtree_runtime.lab.language import LAB_PROMPTS
-from ddtree_runtime.lab.server_args import memory_plan
-from ddtree_runtime.lab.tokenizer import LabTokenizer
+from ddtree_runtime.health import diagnose
+from ddtree_runtime.tiny_engine.engine import LabEngine, SamplingParams
+from ddtree_runtime.tiny_engine.language import LAB_PROMPTS
+from ddtree_runtime.tiny_engine.server_args import memory_plan
+from ddtree_runtime.tiny_engine.tokenizer import LabTokenizer
 from tests.unit._lab import LabServerProcess, http, lab_models, one_thread
 
 

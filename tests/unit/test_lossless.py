@@ -1,4 +1,5 @@
-"""The lossless check's comparison (ddtree_runtime.lossless) on answers shaped as SGLang 0.5.23 shapes them.
+"""The lossless check's comparison (ddtree_runtime.health.lossless) on answers shaped as SGLang 0.5.23
+shapes them.
 
 The shape was read from the real 0.5.23 server on CPU (tests/sglang/test_real_server.py runs it): with
 ``logprob_start_len`` s, ``input_token_logprobs[j]`` is ``[logprob, token_id, null]`` of input position
@@ -11,7 +12,7 @@ import math
 
 import pytest
 
-from ddtree_runtime.lossless import (
+from ddtree_runtime.health.lossless import (
     DEFAULT_MARGIN,
     FAILED,
     NOT_CHECKED,

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ddtree_runtime import metrics
-from ddtree_runtime.probe import live_probe, write_report
+from ddtree_runtime.health import metrics
+from ddtree_runtime.health.probe import live_probe, write_report
 from tests.unit.fake_sglang import FakeSGLang, Scenario
 
 
@@ -73,8 +73,8 @@ def test_state_files_become_metrics(host: Path):
 
 
 def test_a_probe_that_found_the_verify_not_lossless_exposes_the_counts(host: Path):
-    from ddtree_runtime import lossless
-    from ddtree_runtime.probe import Report, _check_lossless
+    from ddtree_runtime.health import lossless
+    from ddtree_runtime.health.probe import Report, _check_lossless
     from tests.unit._lossless_answers import PROMPT, answer
 
     gen = lossless.Generation(PROMPT, [5, 2, 9])

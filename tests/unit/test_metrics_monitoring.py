@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ddtree_runtime.metrics import DDTreeCollector
+from ddtree_runtime.health.metrics import DDTreeCollector
 from tests.unit._router_metrics import RECORDED, ROUTER_METRICS
 
 MON = Path(__file__).resolve().parents[2] / "monitoring"

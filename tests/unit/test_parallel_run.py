@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import tests.conftest as top
-from ddtree_runtime.ops.lab_spec import NAME_MAX, Lab
+from ddtree_runtime.ops.labhosts.spec import NAME_MAX, Lab
 from tests.lab.conftest import lab_name
 
 REPO = Path(__file__).resolve().parents[2]

@@ -318,7 +318,7 @@ def test_cli_table_json_and_exit_codes(files, capsys):
 def test_contract_py_runs_alone_on_a_host_and_its_description_plans_the_same(files, pair, tmp_path):
     """What a deploy does: send contract.py to the host (stdlib python, no runtime installed), plan here."""
     script = tmp_path / "contract.py"
-    script.write_bytes((REPO / "ddtree_runtime/contract.py").read_bytes())  # alone, outside the package
+    script.write_bytes((REPO / "ddtree_runtime/core/contract.py").read_bytes())  # alone, outside the package
     target, draft = files
     out = subprocess.run([sys.executable, "-I", str(script), "describe", str(target), str(draft)],
                          capture_output=True, text=True, timeout=60, cwd=tmp_path)

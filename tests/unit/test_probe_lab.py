@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_runtime import diagnose
-from ddtree_runtime.probe import EXIT_FAILED, EXIT_NOT_READY, EXIT_PASS, live_probe, static_probe
+from ddtree_runtime.health import diagnose
+from ddtree_runtime.health.probe import EXIT_FAILED, EXIT_NOT_READY, EXIT_PASS, live_probe, static_probe
 from tests.unit._lab import LabServerProcess, contrary_drafter, lab_models
 
 

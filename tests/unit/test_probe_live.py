@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from ddtree_runtime.probe import (
+from ddtree_runtime.health.probe import (
     EXIT_BAD_INPUT,
     EXIT_FAILED,
     EXIT_NOT_READY,

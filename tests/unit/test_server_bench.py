@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from ddtree_runtime.server_bench import bench_server, run_level, summarize
+from ddtree_runtime.health.server_bench import bench_server, run_level, summarize
 
 TOKENS, STEPS, FIRST_CHUNK_DELAY = 12, 4, 0.05
 

@@ -112,7 +112,7 @@ def test_flags_use_the_pinned_spelling(rendered, profile):
     # Removed in SGLang 0.5.20+: the server refuses to start with them.
     assert not {"cuda-graph-max-bs", "cuda-graph-bs", "mamba-scheduler-strategy"} & set(flags)
     # The lab engine's parser carries the pinned release's flag set: every rendered flag parses.
-    server_args = pytest.importorskip("ddtree_runtime.lab.server_args")
+    server_args = pytest.importorskip("ddtree_runtime.tiny_engine.server_args")
     parser = argparse.ArgumentParser(exit_on_error=False)
     server_args.add_server_args(parser)
     parsed = parser.parse_args(exec_args(unit_text(rendered, profile))[3:])

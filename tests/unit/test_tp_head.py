@@ -1,4 +1,4 @@
-"""The drafter's head under tensor parallelism (``ddtree_runtime.tp_head``): each rank ranks its
+"""The drafter's head under tensor parallelism (``ddtree_runtime.core.tp_head``): each rank ranks its
 vocabulary shard, the ranks all-gather ``[N, 2K + 1]`` and merge; the tree built from the merge is
 the single-rank tree from the full vocabulary, node for node, on every rank.
 
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddtree_runtime import tree
-from ddtree_runtime.tp_head import (
+from ddtree_runtime.core import tree
+from ddtree_runtime.core.tp_head import (
     MAX_VOCAB,
     VocabShard,
     exchange,
@@ -26,7 +26,7 @@ from ddtree_runtime.tp_head import (
     sharded_topk,
     vocab_shards,
 )
-from ddtree_runtime.tree_types import DraftTopK, topk_width
+from ddtree_runtime.core.tree_types import DraftTopK, topk_width
 
 LARGEST_BUDGET = 1023  # sglang_plugin.cli_args.MAX_BUDGET
 

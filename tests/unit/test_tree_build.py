@@ -12,9 +12,9 @@ import random
 import pytest
 import torch
 
-from ddtree_runtime import kernels
-from ddtree_runtime import tree as tree_mod
-from ddtree_runtime.tree import _reference_build_tree, build_tree, topk_log_probs
+from ddtree_runtime.core import kernels
+from ddtree_runtime.core import tree as tree_mod
+from ddtree_runtime.core.tree import _reference_build_tree, build_tree, topk_log_probs
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

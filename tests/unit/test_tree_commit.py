@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from ddtree_runtime.tree import WalkResult, build_tree, commit_plan, walk_posterior
+from ddtree_runtime.core.tree import WalkResult, build_tree, commit_plan, walk_posterior
 
 PREFIX_MARK = -1_000_000
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ddtree_runtime import kernels, tree
+from ddtree_runtime.core import kernels, tree
 
 
 def _spy_kernel(monkeypatch):
@@ -37,7 +37,7 @@ def test_long_horizon_falls_back_to_the_plain_path(monkeypatch):
 
 
 def kernels_max_horizon() -> int:
-    from ddtree_runtime.kernels.build import MAX_HORIZON
+    from ddtree_runtime.core.kernels.build import MAX_HORIZON
 
     return MAX_HORIZON
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree_runtime.tree import DraftTree, build_tree, walk_sample
+from ddtree_runtime.core.tree import DraftTree, build_tree, walk_sample
 
 N = 200_000
 V = 4

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from ddtree_runtime.tree import (
+from ddtree_runtime.core.tree import (
     DraftTree,
     build_tree,
     compile_tree,

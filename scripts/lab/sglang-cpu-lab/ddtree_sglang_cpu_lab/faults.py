@@ -20,8 +20,8 @@ GPU lab layer can install them the same way (``install_verify_fault``):
   target does not show it in its output (its next token depends on the current token only); a real one
   does.
 
-``relaxed_accept`` is the lab engine's fault of the same name (``ddtree_runtime.lab.faults``): one walk
-for both engines.
+``relaxed_accept`` is the lab engine's fault of the same name
+(``ddtree_runtime.tiny_engine.faults``): one walk for both engines.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def _round_calls(module: ModuleType, name: str) -> None:
 
 
 def _walk_relaxed(module: ModuleType) -> None:
-    from ddtree_runtime.lab.faults import relaxed_greedy_walk
+    from ddtree_runtime.tiny_engine.faults import relaxed_greedy_walk
 
     _round_calls(module, "walk_round")
     walk_round = module.walk_round

@@ -8,7 +8,7 @@
   the tokens are identical (else the first difference), and how many target verifies SGLang replayed
   from a graph (``SGLANG_LOG_DECODE_GRAPH_KEY=1``) against how many ran.
 * ``probe``: ``ddtree probe live`` against each DDTREE server of the run.
-* ``bench``: ``ddtree_runtime.server_bench`` at concurrency 1, 4 and 16 on plain decoding, DFLASH and
+* ``bench``: ``ddtree_runtime.health.server_bench`` at concurrency 1, 4 and 16 on plain decoding, DFLASH and
   DDTREE (budgets 16, 32, 64) for both pairs, one server measured at a time (the others idle with
   ``--sleep-on-idle``), the output ids checked against the plain server's at every level, tokens/s
   ratios against DFLASH from the same run.
@@ -215,7 +215,7 @@ def bench_specs() -> list[Spec]:
 def run_bench(
     models: Path, log_dir: Path, repeats: int = int(os.environ.get("DDTREE_GPU_LAB_REPEATS", "3"))
 ) -> None:
-    from ddtree_runtime.server_bench import bench_server
+    from ddtree_runtime.health.server_bench import bench_server
 
     servers = start_all(bench_specs(), models, log_dir)
     try:
@@ -277,7 +277,7 @@ def prod_spec(word: str) -> Spec:
 
 def profile_round(server: GpuServer, out: Path, level: int, steps: int = 24) -> dict[str, Any]:
     """SGLang's own profiler over ``steps`` scheduler steps of ``level`` requests in flight."""
-    from ddtree_runtime.server_bench import run_level
+    from ddtree_runtime.health.server_bench import run_level
     from ddtree_sglang_gpu_lab.profile_gaps import analyse
 
     out.mkdir(parents=True, exist_ok=True)
@@ -303,7 +303,7 @@ def profile_round(server: GpuServer, out: Path, level: int, steps: int = 24) -> 
 
 def run_prod(models: Path, log_dir: Path) -> None:
     """One 27B server at a time (each takes the GPU): start, bench, profile at 1 and 16, stop."""
-    from ddtree_runtime.server_bench import bench_server
+    from ddtree_runtime.health.server_bench import bench_server
     from ddtree_sglang_gpu_lab.prod_shape import write_prod_pair
 
     write_prod_pair(models / "hybrid", models / "prod")

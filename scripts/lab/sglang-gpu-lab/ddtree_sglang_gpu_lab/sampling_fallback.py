@@ -9,7 +9,7 @@ SGLang has a path for a build without that kernel: ``is_dflash_sampling_verify_a
 ``prewarm_sampling`` skips the rehearsal and DFLASH verifies greedily at T > 0 with a warning
 ("DFLASH non-greedy verification is unavailable on this build/device"). The lab takes that path:
 DFLASH at T > 0 is not lossless sampling in the GPU lab (its greedy verify is unchanged). DDTREE does
-not use this kernel (its T > 0 walk is ``ddtree_runtime.tree.walk_sample``), so nothing DDTREE
+not use this kernel (its T > 0 walk is ``ddtree_runtime.core.tree.walk_sample``), so nothing DDTREE
 computes changes.
 """
 

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddtree_runtime.probe import DEFAULT_PROMPTS, Check, http_request
+from ddtree_runtime.health.probe import DEFAULT_PROMPTS, Check, http_request
 
 EXIT_PROMOTE, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOT_READY = 0, 1, 2, 3
 SIDES = ("live", "shadow")

@@ -5,7 +5,7 @@ The dense target is a Qwen3 decoder (GQA, q/k RMSNorm, RoPE, SwiGLU) with HF par
 target replaces three of every four attention layers with Gated DeltaNet layers (Qwen3.5's
 ``full_attention_interval`` 4): a causal conv and a gated delta-rule recurrence whose state the engine
 keeps per request (``RecurrentCache``); over a draft tree every node starts from its parent's state
-(``ddtree_runtime.lab.gdn``, the recurrence SGLang's GDN tree kernels run). The drafter follows
+(``ddtree_runtime.tiny_engine.gdn``, the recurrence SGLang's GDN tree kernels run). The drafter follows
 z-lab's `DFlashDraftModel`: no embedding and no LM head of its own (it borrows the target's), context
 features = target hidden states after `target_layer_ids`, concatenated and projected by `fc` + `hidden_norm`,
 injected as extra K/V in every layer; attention over [context, block] is non-causal.
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
-from ddtree_runtime.lab import gdn
+from ddtree_runtime.tiny_engine import gdn
 
 
 @dataclass(frozen=True)

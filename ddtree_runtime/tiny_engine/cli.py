@@ -6,12 +6,12 @@ import argparse
 import json
 import sys
 
-from ddtree_runtime.lab.bench import add_bench_args
-from ddtree_runtime.lab.server_args import add_server_args
+from ddtree_runtime.tiny_engine.bench import add_bench_args
+from ddtree_runtime.tiny_engine.server_args import add_server_args
 
 
 def _make_models(args: argparse.Namespace) -> int:
-    from ddtree_runtime.lab.make import make_models
+    from ddtree_runtime.tiny_engine.make import make_models
 
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
     summary = make_models(args.dir, seed=args.seed, kind=args.kind, log=log)
@@ -20,13 +20,13 @@ def _make_models(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from ddtree_runtime.lab.server import serve
+    from ddtree_runtime.tiny_engine.server import serve
 
     return serve(args)
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from ddtree_runtime.lab.bench import bench_main
+    from ddtree_runtime.tiny_engine.bench import bench_main
 
     return bench_main(args)
 

@@ -25,7 +25,7 @@ import json
 from functools import cache
 from pathlib import Path
 
-from ddtree_runtime.lab.tokenizer import NUM_BYTES, SPECIAL_TOKENS, LabTokenizer
+from ddtree_runtime.tiny_engine.tokenizer import NUM_BYTES, SPECIAL_TOKENS, LabTokenizer
 
 # Qwen's ChatML, the layout LabTokenizer.apply_chat_template writes.
 CHAT_TEMPLATE = (

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ddtree_runtime.tree import stable_topk
-from ddtree_runtime.tree_types import DraftTopK
+from ddtree_runtime.core.tree import stable_topk
+from ddtree_runtime.core.tree_types import DraftTopK
 
 __all__ = [
     "MAX_VOCAB",
@@ -101,7 +101,7 @@ def _use_kernels(t: Tensor) -> bool:
     """CUDA tensors take the Triton kernel, as ``tree``'s dispatch decides (``DDTREE_DISABLE_KERNELS``)."""
     if not t.is_cuda or os.environ.get("DDTREE_DISABLE_KERNELS") == "1":
         return False
-    from ddtree_runtime import kernels
+    from ddtree_runtime.core import kernels
 
     return kernels.available()
 
@@ -137,7 +137,7 @@ def shard_topk(
     have = min(k, shard.num)
     if have and n:
         if _use_kernels(x) if kernel is None else kernel:
-            from ddtree_runtime import kernels
+            from ddtree_runtime.core import kernels
 
             top, local_ids, _, total = kernels.shard_topk(x, have)
         else:

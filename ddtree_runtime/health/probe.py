@@ -3,7 +3,7 @@
 static: the model pair on disk agrees on the hidden-state contract (configs and safetensors header).
 live:   the server is ready, runs DDTREE with the expected handshake, answers fixed prompts at T=0,
         every token it emitted is the target's own greedy choice (one prefill of prompt + answer per
-        prompt, ddtree_runtime.lossless), and it accepts enough draft tokens per verify step.
+        prompt, ddtree_runtime.health.lossless), and it accepts enough draft tokens per verify step.
 
 Exit codes (an Ansible task gates on them): 0 pass, 1 a check failed, 2 bad input, 3 server not
 reachable or not ready in time. Every HTTP exchange ends within its deadline (--timeout for readiness,
@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddtree_runtime import diagnose, http_client, lossless
-from ddtree_runtime.http_client import HTTPFailure
+from ddtree_runtime.health import diagnose, http_client, lossless
+from ddtree_runtime.health.http_client import HTTPFailure
 
 EXIT_PASS, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOT_READY = 0, 1, 2, 3
 
@@ -114,7 +114,7 @@ def static_probe(model_path: str, draft_model_path: str) -> Report:
         if problem:
             report.fail(EXIT_BAD_INPUT, "bad_input", f"{label} {path}: {problem}")
             return report
-    from ddtree_runtime.contract import ContractError, load_contract
+    from ddtree_runtime.core.contract import ContractError, load_contract
 
     try:
         contract = load_contract(model_path, draft_model_path, check=False)  # we report the widths
@@ -171,7 +171,7 @@ def _model_dir_problem(path: str) -> str | None:
 def http_request(url: str, *, payload: dict | None = None, timeout: float) -> tuple[int, bytes]:
     """(status, body); HTTP error statuses are returned, failures raised as HTTPFailure (an OSError).
 
-    The whole exchange ends within `timeout` (see ddtree_runtime.http_client)."""
+    The whole exchange ends within `timeout` (see ddtree_runtime.health.http_client)."""
     return http_client.request(url, payload=payload, timeout=timeout)
 
 

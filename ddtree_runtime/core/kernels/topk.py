@@ -17,7 +17,7 @@ over a row costs a few us. So nothing here sorts more than 4 K <= 512 keys:
 3. ``_rank_kernel``, grid (row, P): every candidate's rank among the row's candidates by its
    key, (logit descending, id ascending), counted pairwise; rank < k writes its log-prob to its
    place. Ranks are unique (ids are), so the output is exactly the stable order. With ``RAW`` (a
-   vocabulary shard's top-K under tensor parallelism, ``ddtree_runtime.tp_head``) it writes the
+   vocabulary shard's top-K under tensor parallelism, ``ddtree_runtime.core.tp_head``) it writes the
    logits themselves, and the row's max and sum-exp are the rest of the output.
 
 Why rank by the logit and not by the rounded log-prob: log-prob order is logit order, except that

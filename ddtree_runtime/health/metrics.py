@@ -29,7 +29,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server, write_to_textfile
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ddtree_runtime.contract import ContractError, read_json_file
+from ddtree_runtime.core.contract import ContractError, read_json_file
 
 DEFAULT_STATE_ROOT = "/var/lib/ddtree"
 DEFAULT_UNITS = ("sglang-qwen", "sglang-qwen-shadow")

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ddtree_runtime import http_client
+from ddtree_runtime.health import http_client
 
 DEFAULT_MARGIN = 0.5  # nats; see the module docstring
 TOP_LOGPROBS = 2  # the target's top two per position

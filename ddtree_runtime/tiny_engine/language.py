@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from ddtree_runtime.lab.tokenizer import IM_END_ID, IM_START_ID, WORD_TOKENS, LabTokenizer
+from ddtree_runtime.tiny_engine.tokenizer import IM_END_ID, IM_START_ID, WORD_TOKENS, LabTokenizer
 
 SUCCESSOR_PROBS = (0.7, 0.2, 0.1)
 

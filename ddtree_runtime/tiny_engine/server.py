@@ -24,17 +24,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ddtree_runtime import __version__
-from ddtree_runtime.lab import faults
-from ddtree_runtime.lab.http_api import LabHTTPServer, generate_item
-from ddtree_runtime.lab.jobs import Job
-from ddtree_runtime.lab.server_args import (
+from ddtree_runtime.tiny_engine import faults
+from ddtree_runtime.tiny_engine.http_api import LabHTTPServer, generate_item
+from ddtree_runtime.tiny_engine.jobs import Job
+from ddtree_runtime.tiny_engine.server_args import (
     DEFAULT_DEVICE_MEMORY_MB,
     MemoryPlan,
     ServerArgsError,
     memory_plan,
     resolve,
 )
-from ddtree_runtime.lab.serving_metrics import ServingMetrics
+from ddtree_runtime.tiny_engine.serving_metrics import ServingMetrics
 
 log = logging.getLogger("ddtree.lab")
 SGLANG_VERSION = "0.5.23"  # the release whose surface the lab server speaks
@@ -76,7 +76,7 @@ class LabServer:
 
     def start(self) -> None:
         """Load, size the pool, start the scheduler, warm up. Raises on any start-up failure."""
-        from ddtree_runtime.lab.engine import LabEngine  # torch: only when serving
+        from ddtree_runtime.tiny_engine.engine import LabEngine  # torch: only when serving
 
         sa = self.sargs
         if self.plan.start_delay_s:
@@ -152,7 +152,7 @@ class LabServer:
         self._scheduler = threading.Thread(target=self._schedule, name="scheduler", daemon=True)
         self._scheduler.start()
         if not sa["skip_server_warmup"]:
-            from ddtree_runtime.lab.engine import SamplingParams
+            from ddtree_runtime.tiny_engine.engine import SamplingParams
 
             job = self.submit([self.engine.tokenizer.encode(WARMUP_TEXT)], [SamplingParams(max_new_tokens=8)])
             log.info(

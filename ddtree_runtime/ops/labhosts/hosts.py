@@ -19,8 +19,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ddtree_runtime.ops import lab_net, lab_nspawn, lab_rootfs
-from ddtree_runtime.ops.lab_spec import (
+from ddtree_runtime.ops.labhosts import net as lab_net
+from ddtree_runtime.ops.labhosts import nspawn as lab_nspawn
+from ddtree_runtime.ops.labhosts import rootfs as lab_rootfs
+from ddtree_runtime.ops.labhosts.spec import (
     DEFAULT_NAME,
     FIRST_HOST,
     Lab,
@@ -412,7 +414,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_wheelhouse(args: argparse.Namespace) -> int:
-    from ddtree_runtime.ops import lab_wheelhouse
+    from ddtree_runtime.ops.labhosts import wheelhouse as lab_wheelhouse
 
     try:
         lab_wheelhouse.fill(wheelhouse_dir(), build_project=not args.skip_project, progress=_say)

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ddtree_runtime.ops.lab_spec import repo_root
+from ddtree_runtime.ops.labhosts.spec import repo_root
 
 REQUIREMENTS = Path("requirements/lab-wheelhouse.txt")
 NO_DEPS_MARK = "# no-deps"

@@ -5,7 +5,7 @@ Shapes: ``b`` requests, ``L`` draft horizon (block_size - 1), ``V`` vocabulary, 
 (heap pop) order of ddtree-algorithm.md section 2, so every tensor has a static shape for a given
 ``(b, B)`` and the result is comparable node for node with the public reference.
 
-Every public function runs on any device. On CUDA, when ``ddtree_runtime.kernels.available()``
+Every public function runs on any device. On CUDA, when ``ddtree_runtime.core.kernels.available()``
 says so and ``DDTREE_DISABLE_KERNELS`` is not ``"1"``, the call goes to the kernel of the same
 name instead. The result types live in ``tree_types`` (shared with the kernels, which never
 import this module).
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ddtree_runtime.tree_types import (
+from ddtree_runtime.core.tree_types import (
     CommitPlan,
     DraftTopK,
     DraftTree,
@@ -68,7 +68,7 @@ def _kernel_for(name: str, tensor: Any) -> Callable[..., Any] | None:
     if not getattr(tensor, "is_cuda", False) or os.environ.get("DDTREE_DISABLE_KERNELS") == "1":
         return None
     try:
-        from ddtree_runtime import kernels
+        from ddtree_runtime.core import kernels
     except ImportError:
         return None
     if not kernels.available():
@@ -138,7 +138,7 @@ def build_tree(draft_logits: Tensor, budget: int, *, topk_cap: int | None = None
     kernel = _kernel_for("build_tree", draft_logits)
     # Shapes the build kernel does not cover (long horizons, very wide top-K) take the plain path.
     if kernel is not None:
-        from ddtree_runtime import kernels
+        from ddtree_runtime.core import kernels
 
         if kernels.supports_build(draft_logits.shape[1], budget, draft_logits.shape[2], topk_cap):
             return kernel(draft_logits, budget, topk_cap=topk_cap)
@@ -168,7 +168,7 @@ def build_tree_from_topk(top: DraftTopK, budget: int, *, topk_cap: int | None = 
     top_lp, top_ids = top.log_probs[..., :k], top.ids[..., :k]
     kernel = _kernel_for("build_tree_from_topk", top_lp)
     if kernel is not None:
-        from ddtree_runtime import kernels
+        from ddtree_runtime.core import kernels
 
         if kernels.supports_build(horizon, k, k):  # the rule build_tree follows for its kernel
             return kernel(DraftTopK(top_lp, top_ids, top.logsumexp), budget)

@@ -22,8 +22,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 
-from ddtree_runtime.lab.jobs import Job
-from ddtree_runtime.lab.serving_metrics import CONTENT_TYPE
+from ddtree_runtime.tiny_engine.jobs import Job
+from ddtree_runtime.tiny_engine.serving_metrics import CONTENT_TYPE
 
 log = logging.getLogger("ddtree.lab")
 HEALTH_CHECK_TIMEOUT_S = 20  # SGLANG_HEALTH_CHECK_TIMEOUT's default
@@ -215,7 +215,7 @@ def _shown(value: Any) -> str:
 
 def parse_generate(body: dict, lab: LabService) -> tuple[list[list[int]], list, bool]:
     """SGLang's GenerateReqInput subset: (prompts, params, batched)."""
-    from ddtree_runtime.lab.engine import SamplingParams
+    from ddtree_runtime.tiny_engine.engine import SamplingParams
 
     for key, kind in (("stream", "bool"), ("return_text_in_logprobs", "bool"), ("rid", "str_or_list")):
         if body.get(key) is not None and (error := _contract_error(kind, body[key])):
@@ -275,7 +275,7 @@ def parse_generate(body: dict, lab: LabService) -> tuple[list[list[int]], list, 
 def parse_logprobs(body: dict, prompts: list[list[int]]) -> list | None:
     """GenerateReqInput's return_logprob, logprob_start_len, top_logprobs_num (each one value or one per
     prompt) -> a LogprobRequest per prompt (None where not asked), or None when no prompt asks."""
-    from ddtree_runtime.lab.logprobs import LogprobRequest
+    from ddtree_runtime.tiny_engine.logprobs import LogprobRequest
 
     def per_prompt(key: str, default: Any) -> list:
         value = body.get(key)
@@ -336,7 +336,7 @@ def check_context(prompts, params, context_length: int) -> None:
 
 
 def parse_openai(body: dict, lab: LabService, *, chat: bool) -> tuple[list[int], object]:
-    from ddtree_runtime.lab.engine import SamplingParams
+    from ddtree_runtime.tiny_engine.engine import SamplingParams
 
     tok = lab.engine.tokenizer
     if body.get("stream"):
@@ -541,7 +541,7 @@ class Handler(BaseHTTPRequestHandler):
             if lab.status != "ready":
                 return self._send(503, b"", "text/plain")
             if path == "/health_generate" and lab.running == 0 and lab.jobs.empty():
-                from ddtree_runtime.lab.engine import SamplingParams
+                from ddtree_runtime.tiny_engine.engine import SamplingParams
 
                 # SGLang: one greedy token of input_ids [0]; 503 if none within 20 s
                 job = lab.submit([[0]], [SamplingParams(max_new_tokens=1)], timeout=HEALTH_CHECK_TIMEOUT_S)

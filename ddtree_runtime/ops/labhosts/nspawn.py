@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from ddtree_runtime.ops.lab_spec import WHEELHOUSE_MOUNT, Lab, LabHost
+from ddtree_runtime.ops.labhosts.spec import WHEELHOUSE_MOUNT, Lab, LabHost
 
 
 class MachineError(RuntimeError):

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ddtree_runtime.tree import DraftTree, WalkResult, walk_posterior
+from ddtree_runtime.core.tree import DraftTree, WalkResult, walk_posterior
 
 ENGINE_FAULTS = ("capture_predicate", "hidden_none", "relaxed_accept")
 RELAXED_THRESHOLD = 0.1  # relaxed_accept: the target probability a drafted token needs

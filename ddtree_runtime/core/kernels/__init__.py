@@ -1,4 +1,4 @@
-"""Triton kernels for the DDTree round, with the contract of ``ddtree_runtime.tree`` (batched).
+"""Triton kernels for the DDTree round, with the contract of ``ddtree_runtime.core.tree`` (batched).
 
 ``tree.build_tree`` / ``compile_tree`` / ``walk_greedy`` / ``commit_plan`` dispatch here for CUDA
 tensors when :func:`available` says so. Each function launches a fixed number of kernels with
@@ -7,7 +7,7 @@ a whole round can be captured in a CUDA graph. ``walk_sample`` and ``verify_atte
 not offered (the plain path runs them; the mask's shape depends on the prefix lengths anyway).
 
 The kernel modules import Triton; this module does not, so ``available()`` is cheap and safe.
-The result types come from ``ddtree_runtime.tree_types``; nothing here imports ``tree`` (the
+The result types come from ``ddtree_runtime.core.tree_types``; nothing here imports ``tree`` (the
 dispatch runs one way, tree -> kernels).
 """
 
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from ddtree_runtime.tree_types import CommitPlan, DraftTopK, DraftTree, VerifyInputs, WalkResult
+    from ddtree_runtime.core.tree_types import CommitPlan, DraftTopK, DraftTree, VerifyInputs, WalkResult
 
 __all__ = [
     "available",
@@ -59,13 +59,13 @@ def _check_device(t: Tensor, what: str) -> None:
     if not t.is_cuda and not _interpreting():
         raise ValueError(
             f"{what} is on {t.device}: the Triton kernels need CUDA tensors "
-            "(or TRITON_INTERPRET=1 to run them on the CPU); use ddtree_runtime.tree for CPU tensors"
+            "(or TRITON_INTERPRET=1 to run them on the CPU); use ddtree_runtime.core.tree for CPU tensors"
         )
 
 
 def build_tree(draft_logits: Tensor, budget: int, *, topk_cap: int | None = None) -> DraftTree:
     """Kernel version of ``tree.build_tree``: top-K + logsumexp launch pair, then one build launch."""
-    from ddtree_runtime import tree_types
+    from ddtree_runtime.core import tree_types
 
     from .build import build_from_topk
     from .topk import topk_log_probs
@@ -86,7 +86,7 @@ def build_tree(draft_logits: Tensor, budget: int, *, topk_cap: int | None = None
 
 def build_tree_from_topk(top: DraftTopK, budget: int) -> DraftTree:
     """Kernel version of ``tree.build_tree_from_topk`` (K = top.k, already cut): one build launch."""
-    from ddtree_runtime import tree_types
+    from ddtree_runtime.core import tree_types
 
     from .build import build_from_topk
 
@@ -116,7 +116,7 @@ def compile_tree(draft: DraftTree, root_tokens: Tensor, prefix_lens: Tensor) -> 
     """Kernel version of ``tree.compile_tree`` (one launch)."""
     import torch
 
-    from ddtree_runtime import tree_types
+    from ddtree_runtime.core import tree_types
 
     from .compile import compile_arrays
 
@@ -142,7 +142,7 @@ def compile_tree(draft: DraftTree, root_tokens: Tensor, prefix_lens: Tensor) -> 
 
 def walk_greedy(draft: DraftTree, target_logits: Tensor) -> WalkResult:
     """Kernel version of ``tree.walk_greedy``: split-V argmax launch, then one walk launch."""
-    from ddtree_runtime import tree_types
+    from ddtree_runtime.core import tree_types
 
     from .walk import walk_arrays
 
@@ -165,7 +165,7 @@ def commit_plan(
     """Kernel version of ``tree.commit_plan`` (one launch)."""
     import torch
 
-    from ddtree_runtime import tree_types
+    from ddtree_runtime.core import tree_types
 
     from .walk import commit_arrays
 

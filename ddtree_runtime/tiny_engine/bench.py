@@ -5,7 +5,7 @@ the ratio to AR measured in the same process), so results can be compared side b
 Both pairs by default: the dense one (Qwen3-style target) and the hybrid one (Qwen3.5-style: Gated
 DeltaNet + attention layers), each with its distilled drafter:
 
-    python -m ddtree_runtime.lab.bench [--models DIR[,DIR]] [--kinds dense,hybrid] [--device cuda]
+    python -m ddtree_runtime.tiny_engine.bench [--models DIR[,DIR]] [--kinds dense,hybrid] [--device cuda]
                                        [--budgets 16,64]
 """
 
@@ -36,9 +36,9 @@ def run_bench(
 ) -> list[dict]:
     import torch
 
-    from ddtree_runtime.lab.engine import LabEngine, SamplingParams
-    from ddtree_runtime.lab.language import LAB_PROMPTS
-    from ddtree_runtime.lab.models import load_target_config
+    from ddtree_runtime.tiny_engine.engine import LabEngine, SamplingParams
+    from ddtree_runtime.tiny_engine.language import LAB_PROMPTS
+    from ddtree_runtime.tiny_engine.models import load_target_config
 
     pair = "hybrid" if load_target_config(models / "target").is_hybrid else "dense"
     texts = list(prompts or LAB_PROMPTS)
@@ -122,7 +122,7 @@ def bench_main(args: argparse.Namespace) -> int:
         if args.models:
             dirs = [Path(d) for d in str(args.models).split(",") if d.strip()]
         else:
-            from ddtree_runtime.lab.make import make_models
+            from ddtree_runtime.tiny_engine.make import make_models
 
             dirs = []
             for kind in str(args.kinds).split(","):
@@ -151,7 +151,7 @@ def bench_main(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m ddtree_runtime.lab.bench", description=__doc__.splitlines()[0]
+        prog="python -m ddtree_runtime.tiny_engine.bench", description=__doc__.splitlines()[0]
     )
     add_bench_args(parser)
     return bench_main(parser.parse_args(argv))

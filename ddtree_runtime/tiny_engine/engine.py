@@ -1,9 +1,10 @@
 """Lab decoding with a KV cache: autoregressive, DFlash chain and DDTree; greedy and T > 0; batched.
 
 The speculative round is the real one: draft block [bonus, MASK x L] -> draft logits -> tree
-(`ddtree_runtime.tree.build_tree`; DFlash = the argmax chain) -> one target forward over root + nodes with
-ancestor-only visibility -> contract guard on the captured hidden states -> walk (greedy or the lossless
-sampling walk) -> `commit_plan` moves the accepted K/V rows -> the accepted rows' features feed the drafter.
+(`ddtree_runtime.core.tree.build_tree`; DFlash = the argmax chain) -> one target forward over root +
+nodes with ancestor-only visibility -> contract guard on the captured hidden states -> walk (greedy or the
+lossless sampling walk) -> `commit_plan` moves the accepted K/V rows -> the accepted rows' features feed
+the drafter.
 
 Hybrid targets (GDN + attention, ``models.TargetConfig.is_hybrid``): the verify runs the GDN layers over the
 tree by parent pointer (every node from its parent's recurrent state), and after the walk each request keeps
@@ -20,13 +21,20 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ddtree_runtime.contract import ContractError, HiddenContract, check_hidden_states, load_contract
-from ddtree_runtime.lab import faults as lab_faults
-from ddtree_runtime.lab.faults import ENGINE_FAULTS as FAULTS
-from ddtree_runtime.lab.logprobs import LogprobRecord, LogprobRequest, record_prompt
-from ddtree_runtime.lab.models import KVCache, causal_mask, load_draft, load_target
-from ddtree_runtime.lab.tokenizer import LabTokenizer
-from ddtree_runtime.tree import DraftTree, build_tree, commit_plan, compile_tree, walk_greedy, walk_sample
+from ddtree_runtime.core.contract import ContractError, HiddenContract, check_hidden_states, load_contract
+from ddtree_runtime.core.tree import (
+    DraftTree,
+    build_tree,
+    commit_plan,
+    compile_tree,
+    walk_greedy,
+    walk_sample,
+)
+from ddtree_runtime.tiny_engine import faults as lab_faults
+from ddtree_runtime.tiny_engine.faults import ENGINE_FAULTS as FAULTS
+from ddtree_runtime.tiny_engine.logprobs import LogprobRecord, LogprobRequest, record_prompt
+from ddtree_runtime.tiny_engine.models import KVCache, causal_mask, load_draft, load_target
+from ddtree_runtime.tiny_engine.tokenizer import LabTokenizer
 
 ALGORITHMS = ("NONE", "DFLASH", "DDTREE")
 

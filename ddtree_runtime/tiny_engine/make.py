@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from ddtree_runtime.lab.hf_tokenizer import save_hf_tokenizer
-from ddtree_runtime.lab.language import LabLanguage
-from ddtree_runtime.lab.models import (
+from ddtree_runtime.tiny_engine.hf_tokenizer import save_hf_tokenizer
+from ddtree_runtime.tiny_engine.language import LabLanguage
+from ddtree_runtime.tiny_engine.models import (
     DraftConfig,
     DraftModel,
     TargetConfig,
@@ -30,7 +30,7 @@ from ddtree_runtime.lab.models import (
     causal_mask,
     init_weights,
 )
-from ddtree_runtime.lab.tokenizer import EOS_TOKEN_ID, MASK_TOKEN_ID, VOCAB_SIZE, LabTokenizer
+from ddtree_runtime.tiny_engine.tokenizer import EOS_TOKEN_ID, MASK_TOKEN_ID, VOCAB_SIZE, LabTokenizer
 
 TARGET_CONFIG = TargetConfig(vocab_size=VOCAB_SIZE)
 # Qwen3.5's hybrid pattern (full_attention_interval 4): layers 0-2 Gated DeltaNet, layer 3 attention.

@@ -1,7 +1,7 @@
 """The DDTree round's data: the result types every implementation returns and the argument checks
 they share.
 
-``ddtree_runtime.tree`` (plain PyTorch) and ``ddtree_runtime.kernels`` (Triton) both import this
+``ddtree_runtime.core.tree`` (plain PyTorch) and ``ddtree_runtime.core.kernels`` (Triton) both import this
 module and nothing of each other's internals, so the dispatch runs one way: tree -> kernels.
 This module imports nothing else of ours.
 """
@@ -35,7 +35,7 @@ class DraftTopK:
     """What the tree build reads of the drafter's per-depth distribution: each row's top-K
     log-probabilities over the FULL vocabulary, in the order (logit descending, id ascending),
     and the row's logsumexp. Made from full logits (``tree.topk_log_probs``) or merged over a
-    vocabulary-parallel head (``ddtree_runtime.tp_head``) without the ``[rows, V]`` logits.
+    vocabulary-parallel head (``ddtree_runtime.core.tp_head``) without the ``[rows, V]`` logits.
     """
 
     log_probs: Tensor  # [..., K] float32
