@@ -399,7 +399,7 @@ def rotation_states(routers: list[RouterTarget]) -> dict[str, list[str]]:
     """host -> 'ROUTER: in | out | in (unhealthy) | ? (why)' per router it is configured behind. An
     answer that is not a worker list of checked entries ([], 5, workers that are not objects) is that
     router's '?' with the reason, never a crash."""
-    from ddtree_runtime.deploy_inputs import InputError
+    from ddtree_runtime.inputs.deploy_inputs import InputError
     from ddtree_runtime.ops.rotation import Member, RouterView, host_states
 
     states: dict[str, list[str]] = {}

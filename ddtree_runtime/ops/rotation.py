@@ -26,8 +26,8 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
-from ddtree_runtime.deploy_inputs import InputError, as_bool, as_int, one_line, router_workers
-from ddtree_runtime.deploy_inputs import worker_url as normal_url
+from ddtree_runtime.inputs.deploy_inputs import InputError, as_bool, as_int, one_line, router_workers
+from ddtree_runtime.inputs.deploy_inputs import worker_url as normal_url
 
 EXIT_GO, EXIT_REFUSED, EXIT_BAD_INPUT = 0, 1, 2
 MAX_STDIN = 16 * 1024 * 1024

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from ddtree_runtime import deploy_inputs
+from ddtree_runtime.inputs import deploy_inputs
 from ddtree_runtime.ops import canary_traffic, fleet, rotation
 from tests.unit._ansible import PLAYBOOKS, REPO, tool_env
 from tests.unit.hostile_http import HostileServer, respond

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ddtree_runtime import deploy_inputs
+from ddtree_runtime.inputs import deploy_inputs
 from tests.unit._ansible import PLAYBOOKS, REPO, playbook
 
 KEY = "a-control-key-of-24-chars"
