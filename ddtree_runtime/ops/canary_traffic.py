@@ -265,7 +265,12 @@ def run(doc: dict[str, Any]) -> dict[str, Any]:
     for name, value in asdict(thresholds).items():
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
             raise TrafficInputError(f"threshold {name} must be a finite number >= 0: got {value!r}")
-    return judge(live, shadow, thresholds, doc.get("window_s"))
+    window_s = doc.get("window_s")
+    if window_s is not None and (
+        isinstance(window_s, bool) or not isinstance(window_s, int | float) or not 0 <= window_s < math.inf
+    ):
+        raise TrafficInputError(f"window_s must be a finite number of seconds: got {window_s!r:.80}")
+    return judge(live, shadow, thresholds, window_s)
 
 
 def main() -> int:

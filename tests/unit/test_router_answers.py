@@ -436,6 +436,7 @@ def test_failures_recorded_under_another_spelling_of_the_shadows_url_count():
         ({"shadow_after": _engine(30, inf_bucket="many")}, "not Prometheus text"),
         ({"shadow_after": 5}, "metrics must be Prometheus text"),
         ({"thresholds": {"max_latency_ratio": float("nan")}}, "threshold max_latency_ratio must be a finite"),
+        ({"window_s": "ten"}, "window_s must be a finite number of seconds"),
     ],
 )
 def test_unreadable_buckets_are_a_clean_exit_2(over: dict, said: str):
