@@ -324,6 +324,7 @@ def test_a_listed_url_with_a_newline_never_reaches_the_rotation_file(tmp_path: P
             {"workers": [_w(f"http://{A}:30000", "false")]},
             "r1: ? (malformed answer: router r1 worker 0 is_healthy",
         ),
+        ("[" * 100_000, "r1: ? (no answer (maximum recursion depth exceeded"),
         ({"workers": [_w(f"HTTP://{A}:30000/")]}, "r1: in"),
     ],
 )
