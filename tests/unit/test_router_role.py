@@ -309,6 +309,14 @@ def test_the_flag_table_is_the_pinned_routers_own_parser() -> None:
     assert set(options) == deploy_inputs.ROUTER_OPTIONS[version]
     launcher = (REPO / "roles/sglang_router/files/ddtree-router-launch.py").read_text()
     assert "launch_router(parse_router_args(" in launcher  # the API it calls in-process
+    # The unit runs the launcher where the role installs it.
+    tasks = yaml.safe_load((REPO / "roles/sglang_router/tasks/configure.yml").read_text())
+    (install,) = [
+        t for t in tasks if t.get("ansible.builtin.copy", {}).get("src") == deploy_inputs.ROUTER_LAUNCHER
+    ]
+    assert (
+        install["ansible.builtin.copy"]["dest"] == "{{ sglang_router_root }}/" + deploy_inputs.ROUTER_LAUNCHER
+    )
 
 
 # ---------------------------------------------------------------------------- issue 36: the control key
