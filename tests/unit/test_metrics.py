@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ddtree_runtime.health import metrics
 from ddtree_runtime.health.probe import live_probe, write_report
+from tests.unit._lab import free_port
 from tests.unit.fake_sglang import FakeSGLang, Scenario
 
 
@@ -161,9 +161,7 @@ def test_cli_textfile_is_written_atomically_and_parses(host: Path, tmp_path: Pat
 
 
 def test_exporter_is_scraped_over_http(host: Path):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # held until this process ends: no other test's server can take it meanwhile
     proc = subprocess.Popen([sys.executable, "-m", "ddtree_runtime", "metrics", "serve", "--listen",
                              f"127.0.0.1:{port}", "--state-dir", str(host), "--no-systemd"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
