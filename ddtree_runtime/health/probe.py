@@ -54,6 +54,7 @@ _CONTRACT_CAUSE = {"fc_width_mismatch": "hidden_width_mismatch",
 # Bounds on the arguments: a probe that may wait longer than a day is a typo, not a setting.
 MAX_WAIT_S = 86400.0
 MAX_PROMPT_CHARS = 100_000
+MAX_AT_ONCE = 64  # prompts sent together in the batch run (SGLang's default max running requests is 48+)
 
 
 @dataclass
@@ -404,7 +405,7 @@ def _generate(base: str, prompts: list[str], max_new_tokens: int, timeout: float
     report.figures["generate_seconds"] = round(time.monotonic() - started, 3)
     # All prompts at once: the scheduler decodes them as one batch, as SGLang does a batched request
     # (it hands each of its prompts to the scheduler as a request of its own).
-    with ThreadPoolExecutor(max_workers=len(payloads)) as pool:
+    with ThreadPoolExecutor(max_workers=min(len(payloads), MAX_AT_ONCE)) as pool:
         replies = list(pool.map(lambda payload: _post(base, payload, timeout), payloads))
     batch = []
     for i, (prompt, reply) in enumerate(zip(prompts, replies, strict=True)):
