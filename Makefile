@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PIP    := $(VENV)/bin/pip
 
-.PHONY: demo test venv lint clean
+.PHONY: demo test check venv lint clean
 
 # Deploy to a local lab host and show the probe report.
 demo: venv
@@ -12,6 +12,10 @@ demo: venv
 # Every test: unit, real SGLang code on CPU, lab hosts (root), GPU tests skip without CUDA.
 test: venv
 	bash scripts/test.sh
+
+# The fast loop while you work: lint plus the tests that start no process (docs/testing.md).
+check: venv
+	bash scripts/check.sh
 
 lint: venv
 	$(VENV)/bin/ruff check .

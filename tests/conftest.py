@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 
 import pytest
 
@@ -41,6 +42,35 @@ LONGEST_FIRST = ("lab-engine", "tests/lab/test_real_sglang_lab.py", "tests/sglan
 def group_of(nodeid: str) -> str:
     path = nodeid.split("::", 1)[0]
     return SHARED_WORLDS.get(path, path)
+
+
+# --- the fast loop (issue 32): `make check` runs `-m "not slow"` (docs/testing.md). These modules start no
+# process and need no lab, no SGLang server and no Triton interpreter; every other test is marked slow
+# here. A test in them that starts a process fails (`_fast_tests_start_no_process`), so the list cannot
+# quietly turn slow; a new fast module is added here.
+FAST_MODULES = frozenset(f"tests/unit/{name}.py" for name in (
+    "test_contract", "test_import_graph", "test_lab_engine", "test_lab_hf_tokenizer", "test_lab_packages",
+    "test_lossless", "test_metrics_exporter_role", "test_parallel_run", "test_roles_argspec",
+    "test_server_bench", "test_tree_build", "test_tree_cli", "test_tree_commit", "test_tree_dispatch",
+    "test_tree_sampling", "test_tree_verify",
+))  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _fast_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if request.node.get_closest_marker("slow") is not None:
+        return
+
+    def refuse(self: subprocess.Popen, args: object, *rest: object, **kwargs: object) -> None:
+        raise AssertionError(f"{request.node.nodeid} starts a process ({args!r}): a fast test may not; "
+                             "move it to a module outside tests/conftest.py's FAST_MODULES")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    if item.nodeid.split("::", 1)[0] not in FAST_MODULES:
+        item.add_marker(pytest.mark.slow)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -69,6 +69,13 @@ class FilterModule:
             "ddtree_runtime_problems": lambda v: _rules.runtime_problems(_plain(v)),
             "ddtree_router_problems": lambda v: _rules.router_problems(_plain(v)),
             "ddtree_rotation_problems": lambda v: _rules.rotation_problems(_plain(v)),
+            "ddtree_router_argv": _quoting(lambda v: _rules.router_argv(_plain(v))),
+            # What a router answered: checked, in one URL spelling (a refusal fails the task, one line).
+            "ddtree_worker_url": _quoting(lambda url: _rules.worker_url(_plain(url))),
+            "ddtree_router_lists": lambda answer, urls, healthy=False: _rules.router_lists(
+                _plain(answer), _plain(urls), healthy=bool(healthy)),
+            "ddtree_router_rotation_urls": _quoting(lambda answer, router: _rules.router_rotation_urls(
+                _plain(answer), str(router))),
             "ddtree_state_problems": lambda state, name, releases_dir: _rules.recorded_state_problems(
                 name, _plain(state), str(releases_dir)),
             "ddtree_account_problems": _existing_account,

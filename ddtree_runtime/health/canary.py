@@ -12,9 +12,11 @@ not reachable or not ready in time. Host side: stdlib only.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import math
 import os
+import socket
 import statistics
 import sys
 import tempfile
@@ -26,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddtree_runtime.health import http_client
 from ddtree_runtime.health.probe import DEFAULT_PROMPTS, Check, http_request
 
 EXIT_PROMOTE, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOT_READY = 0, 1, 2, 3
@@ -185,12 +188,49 @@ def _s(value: Any) -> str:
 # ---------------------------------------------------------------------------- HTTP
 
 
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
 def _base(url: str, flag: str) -> str:
-    base = url.rstrip("/")
+    """The URL in one spelling: scheme and host in lower case, the port as a number (the scheme's default
+    written out), no trailing slash. CanaryInputError (exit 2, one line) for one that cannot work."""
+    try:
+        base = http_client.check_base_url(url)
+    except ValueError as exc:
+        raise CanaryInputError(f"{flag} {exc}") from None
     parts = urllib.parse.urlsplit(base)
-    if parts.scheme not in ("http", "https") or not parts.netloc:
-        raise CanaryInputError(f"{flag} {url!r} is not an http(s) URL; pass e.g. http://127.0.0.1:30000")
-    return base
+    scheme, host = parts.scheme.lower(), (parts.hostname or "").lower()
+    port = parts.port if parts.port is not None else DEFAULT_PORTS[scheme]
+    netloc = f"[{host}]" if ":" in host else host
+    return f"{scheme}://{netloc}:{port}{parts.path.rstrip('/')}"
+
+
+def _addresses(url: str) -> tuple[set[str], int]:
+    """The IP addresses a URL's host names (IPv4-mapped IPv6 as IPv4; the name itself when it does not
+    resolve) and its port: what a connection to it reaches."""
+    parts = urllib.parse.urlsplit(url)
+    host, port = parts.hostname or "", parts.port or DEFAULT_PORTS.get(parts.scheme, 0)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return {host}, port
+    found = set()
+    for *_, sockaddr in infos:
+        ip = ipaddress.ip_address(str(sockaddr[0]).split("%")[0])
+        mapped = getattr(ip, "ipv4_mapped", None)
+        found.add(str(mapped or ip))
+    return found or {host}, port
+
+
+def same_address(live_url: str, shadow_url: str) -> str | None:
+    """Why two normalised base URLs reach one server (one port on a shared address), or None."""
+    if live_url == shadow_url:
+        return "the same URL"
+    (a, port_a), (b, port_b) = _addresses(live_url), _addresses(shadow_url)
+    shared = sorted(a & b)
+    if port_a == port_b and shared:
+        return f"both reach {shared[0]} port {port_a}"
+    return None
 
 
 def wait_ready(side: Side, timeout: float, poll_s: float = 1.0) -> None:
@@ -245,6 +285,17 @@ def same_server(live: Side, shadow: Side) -> str | None:
             b.get("port"), b.get("random_seed")):
         return f"both report port {a['port']} and random seed {a['random_seed']}"
     return None
+
+
+def told_apart(live: Side, shadow: Side) -> bool:
+    """Whether what the two report about themselves proves them two servers (both instance ids, or
+    both ports and seeds): without that proof the canary cannot trust that it compares two."""
+    a, b = live.identity or {}, shadow.identity or {}
+    if a.get("ddtree_instance_id") and b.get("ddtree_instance_id"):
+        return a["ddtree_instance_id"] != b["ddtree_instance_id"]
+    keys = ("port", "random_seed")
+    return all(a.get(k) is not None and b.get(k) is not None for k in keys) and (
+        (a["port"], a["random_seed"]) != (b["port"], b["random_seed"]))
 
 
 def _text(value: Any) -> str | None:
@@ -399,8 +450,9 @@ def compare(live_url: str, shadow_url: str, *, prompts: list[str] | None = None,
     _check_inputs(prompts, rounds, max_new_tokens, ready_timeout, request_timeout)
     live = Side("live", _base(live_url, "--live"), release=live_release)
     shadow = Side("shadow", _base(shadow_url, "--shadow"), release=shadow_release)
-    if live.url == shadow.url:
-        raise CanaryInputError(f"--live and --shadow are the same server ({live.url}): "
+    same = same_address(live.url, shadow.url)
+    if same:
+        raise CanaryInputError(f"--live {live_url} and --shadow {shadow_url} are the same server ({same}): "
                                "give the shadow's port")
     for side in (live, shadow):
         wait_ready(side, ready_timeout)
@@ -419,6 +471,14 @@ def compare(live_url: str, shadow_url: str, *, prompts: list[str] | None = None,
     if same:
         raise CanaryInputError(f"--live {live.url} and --shadow {shadow.url} are the same server ({same}): "
                                "give the shadow's own address")
+    if not told_apart(live, shadow):
+        message = ("the two /server_info answers do not tell the servers apart (neither both a "
+                   "ddtree_instance_id nor both a port and a random_seed): the canary cannot prove it "
+                   "compares two servers")
+        return CanaryReport(False, "abort", f"server_info: {message}", [Check("server_info", False, message)],
+                            live.figures(), shadow.figures(), {"equal": False, "equal_prompts": 0,
+                                                               "per_prompt": []}, {}, exit_code=EXIT_FAILED,
+                            **report_args)
     try:
         measure(live, shadow, prompts, rounds=rounds, max_new_tokens=max_new_tokens,
                 request_timeout=request_timeout)

@@ -152,6 +152,31 @@ _RULES: tuple[_Rule, ...] = (
         "figures.lossless of /var/lib/ddtree/probe/UNIT.json (docs/runbook.md#verify_not_lossless)",
     ),
     _Rule(
+        "lossless_check_error",
+        _rx(r"\bFAIL \[lossless_check_error\]"),
+        "the live probe's lossless check could not run on a server that has its fields (an HTTP error, an "
+        "emitted id outside the vocabulary, a malformed answer): the probe fails closed",
+        "read figures.lossless.errors of /var/lib/ddtree/probe/UNIT.json; an id outside the vocabulary or a "
+        "check failing only on this build is a broken build: ansible-playbook ansible/rollback.yml -l HOST "
+        "(docs/runbook.md#lossless_check_error)",
+    ),
+    _Rule(
+        "lossless_not_checked",
+        _rx(r"\bFAIL \[lossless_not_checked\]"),
+        "the server has no /tokenize or logprob fields, so the live probe cannot prove it lossless, and the "
+        "operator did not allow that",
+        "serve a build with SGLang's logprob fields, or set ddtree_probe_allow_lossless_unchecked=true for "
+        "the host on purpose (docs/runbook.md#lossless_not_checked)",
+    ),
+    _Rule(
+        "wrong_token_count",
+        _rx(r"\bFAIL \[wrong_token_count\]"),
+        "an answer at T=0 had another number of tokens than asked (more than max_new_tokens, or fewer "
+        "without a stop token): the speculative commit emits unverified drafts or stops early",
+        "the build is broken: ansible-playbook ansible/rollback.yml -l HOST and do not promote it "
+        "(docs/runbook.md#wrong_token_count)",
+    ),
+    _Rule(
         "port_in_use",
         _rx(r"Address already in use", r"\[Errno 98\]"),
         "the server port is taken, often by a leftover SGLang process of an earlier start",

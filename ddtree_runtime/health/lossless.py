@@ -7,7 +7,9 @@ sends, for every answer, ``prompt ids + emitted ids`` back as ``input_ids`` with
 fields (``return_logprob``, ``logprob_start_len`` = prompt length - 1, ``top_logprobs_num`` 2,
 ``max_new_tokens`` 1: a prefill, never a decode) and compares position by position
 ``meta_info.input_top_logprobs`` (the target's top two) with the token the server emitted there
-(``meta_info.input_token_logprobs`` echoes it with its logprob). All answers go in one batched request.
+(``meta_info.input_token_logprobs`` echoes it with its logprob). Each answer is checked by a request of
+its own, so one answer the check cannot read never hides another's mismatch. A token the target gives
+probability 0 (its logprob -inf, which SGLang's JSON writes as null) is a mismatch.
 
 Near-ties are not failures. A position whose emitted token is not the target's top-1 but within
 ``margin`` nats of it (``DEFAULT_MARGIN``) is a near-tie: a verify and a prefill run different kernels
@@ -17,11 +19,15 @@ sizes and reduction orders), and in bf16 a logit is only stored to 8 significant
 differently. 0.5 nats is two of those steps at the largest logits a model emits, plus the drift that
 different reduction orders leave in the hidden state. On the lab pair a broken verify (a relaxed
 acceptance rule) emitted tokens 0.7-1.9 nats below the target's top-1, a correct one none off it
-(docs/runbook.md#verify_not_lossless).
+(docs/runbook.md#verify_not_lossless). A build that flips near-ties is not lossless either: a correct one
+showed 0 near-ties in 288 tokens on the GPU lab, one that flipped every near-tie 50 in 96; more than
+``DEFAULT_MAX_NEAR_TIE_RATE`` of the checked tokens fails the check.
 
 The server side it needs: ``POST /tokenize`` (the prompts' ids, so the generation and the check read
-the same tokens) and the logprob fields. A server without them gets ``status: not_checked`` with the
-reason: never a silent pass and never a false failure.
+the same tokens) and the logprob fields. Only a server without them at all (``/tokenize`` 404, no check
+answer carrying the fields) gets ``status: not_checked`` with the reason; the probe fails that unless the
+operator allowed it. A server that has them but whose check fails (an HTTP error, a malformed answer, the
+fields on some answers only) gets ``status: failed`` with the prompt and the error in ``errors``.
 
 ``check_lossless(base_url, prompts)`` is the whole check as one call (tokenize, generate at T = 0,
 verify); the live probe runs its parts around its own generation (``tokenize``, ``verify``). Host
@@ -40,6 +46,9 @@ from typing import Any
 from ddtree_runtime.health import http_client
 
 DEFAULT_MARGIN = 0.5  # nats; see the module docstring
+DEFAULT_MAX_NEAR_TIE_RATE = 0.05  # near-ties per checked token; see the module docstring
+# Status codes of an endpoint a server does not have at all (not a failure of one it has).
+ABSENT_STATUSES = (404, 405, 501)
 TOP_LOGPROBS = 2  # the target's top two per position
 MAX_GAPS = 100  # gaps listed in a report (the counts cover every position)
 PASSED, FAILED, NOT_CHECKED = "passed", "failed", "not_checked"
@@ -75,7 +84,12 @@ def not_checked(reason: str, margin: float = DEFAULT_MARGIN, **extra: Any) -> di
     """The report of a check that could not run, with the reason in one line."""
     return {"status": NOT_CHECKED, "reason": reason, "margin_nats": margin, "prompts": 0, "tokens_checked": 0,
             "mismatches": 0, "near_ties": 0, "first_mismatch": None, "first_near_tie": None, "gaps_nats": [],
-            **extra}
+            "errors": [], **extra}
+
+
+def check_failed(reason: str, margin: float = DEFAULT_MARGIN, **extra: Any) -> dict[str, Any]:
+    """The report of a check a server that claims the fields did not let run: a failure, not a skip."""
+    return {**not_checked(reason, margin), "status": FAILED, "errors": [reason], **extra}
 
 
 def _json(body: bytes) -> Any:
@@ -107,6 +121,11 @@ def tokenize(base: str, prompts: Sequence[str], *, timeout: float) -> tuple[list
     return [list(t) for t in ids if t is not None], ""
 
 
+def tokenize_absent(why: str) -> bool:
+    """Whether ``tokenize``'s reason says the server has no /tokenize at all (only then not_checked)."""
+    return any(why.startswith(f"POST /tokenize answered HTTP {code}:") for code in ABSENT_STATUSES)
+
+
 def check_request(generations: Sequence[Generation]) -> dict[str, Any]:
     """The one batched /generate that asks the target for its choice at every emitted position."""
     return {
@@ -120,49 +139,104 @@ def check_request(generations: Sequence[Generation]) -> dict[str, Any]:
 
 
 def verify(base: str, generations: Sequence[Generation], *, margin: float = DEFAULT_MARGIN,
-           timeout: float) -> dict[str, Any]:
-    """Check the generations against the target's prefill (one request). Returns the report dict;
-    raises http_client.HTTPFailure (no answer) or BadAnswer (an answer SGLang never gives)."""
+           timeout: float, max_near_tie_rate: float = DEFAULT_MAX_NEAR_TIE_RATE) -> dict[str, Any]:
+    """Check the generations against the target's prefill, one request per generation (each stands
+    alone). Returns the report dict; raises http_client.HTTPFailure (no answer in time)."""
     if not math.isfinite(margin) or margin < 0:
         raise ValueError(f"margin {margin!r}: pass a non-negative number of nats")
     if not any(g.output_ids for g in generations):
-        return not_checked("no generated tokens to check", margin)
+        return check_failed("no generated tokens to check", margin)
     started = time.monotonic()
-    status, body = http_client.request(f"{base}/generate", payload=check_request(generations),
-                                       timeout=timeout)
-    seconds = round(time.monotonic() - started, 3)
-    if status != 200:
-        shown = body.decode(errors="replace").replace("\n", " ")[:300]
-        return not_checked(f"the check request (return_logprob, max_new_tokens 1) answered HTTP {status}: "
-                           f"{shown}", margin, seconds=seconds)
-    doc = _json(body)
-    report = compare_answers(generations, doc, margin)
-    report["seconds"] = seconds
+    answers: list[Any] = []
+    for i, gen in enumerate(generations):
+        if not gen.output_ids:
+            answers.append({"meta_info": {}})
+            continue
+        status, body = http_client.request(f"{base}/generate", payload=check_request([gen]), timeout=timeout)
+        doc = _json(body)
+        if status != 200:
+            shown = body.decode(errors="replace").replace("\n", " ")[:300]
+            answers.append(_CheckError(f"prompt {i}: the check request (return_logprob, max_new_tokens 1) "
+                                       f"answered HTTP {status}: {shown}"))
+        elif not isinstance(doc, list) or len(doc) != 1:
+            answers.append(_CheckError(f"prompt {i}: the check request got {type(doc).__name__} back, not a "
+                                       "list of 1 answer"))
+        else:
+            answers.append(doc[0])
+    report = compare_answers(generations, answers, margin, max_near_tie_rate=max_near_tie_rate)
+    report["seconds"] = round(time.monotonic() - started, 3)
     return report
 
 
-def compare_answers(generations: Sequence[Generation], answers: Any, margin: float = DEFAULT_MARGIN
-                    ) -> dict[str, Any]:
-    """The report for SGLang's answers to ``check_request(generations)`` (no HTTP). Raises BadAnswer."""
+class _CheckError:
+    """A check request that failed for one generation: the reason, in place of its answer."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def compare_answers(generations: Sequence[Generation], answers: Any, margin: float = DEFAULT_MARGIN, *,
+                    max_near_tie_rate: float = DEFAULT_MAX_NEAR_TIE_RATE) -> dict[str, Any]:
+    """The report for SGLang's answers to ``check_request(generations)`` (no HTTP). Each answer is judged
+    alone: one the check cannot read is an error of its own (``errors``) and never hides another's
+    mismatch. ``not_checked`` only when no answer carries the logprob fields at all. Raises BadAnswer
+    when the answers are not one per generation."""
     if not isinstance(answers, list) or len(answers) != len(generations):
         raise BadAnswer(f"the batched check request got {type(answers).__name__} back, not a list of "
                         f"{len(generations)} answers")
     tally = _Tally()
-    per_prompt = []
-    try:
-        for i, (gen, answer) in enumerate(zip(generations, answers, strict=True)):
-            before = (tally.mismatches, tally.near_ties)
+    per_prompt: list[dict[str, Any]] = []
+    errors: list[str] = []
+    absent: list[str] = []  # answers without the logprob fields
+    asked = 0
+    for i, (gen, answer) in enumerate(zip(generations, answers, strict=True)):
+        before = (tally.mismatches, tally.near_ties)
+        entry: dict[str, Any] = {"prompt": i, "prompt_tokens": len(gen.prompt_ids),
+                                 "tokens": len(gen.output_ids)}
+        asked += bool(gen.output_ids)
+        try:
+            if isinstance(answer, _CheckError):
+                raise BadAnswer(answer.reason)
             _compare(i, gen, answer, margin, tally)
-            per_prompt.append({"prompt": i, "prompt_tokens": len(gen.prompt_ids),
-                               "tokens": len(gen.output_ids), "mismatches": tally.mismatches - before[0],
-                               "near_ties": tally.near_ties - before[1]})
-    except _NotChecked as exc:
-        return not_checked(str(exc), margin)
-    return {"status": FAILED if tally.mismatches else PASSED, "reason": None, "margin_nats": margin,
+        except _NotChecked as exc:
+            absent.append(str(exc))
+            entry["error"] = str(exc)
+        except BadAnswer as exc:
+            errors.append(str(exc))
+            entry["error"] = str(exc)
+        per_prompt.append({**entry, "mismatches": tally.mismatches - before[0],
+                           "near_ties": tally.near_ties - before[1]})
+    if absent and len(absent) == asked and not errors:
+        return not_checked(absent[0], margin, per_prompt=per_prompt)
+    if absent:  # fields on some answers and not on others: the server claims them
+        errors += [f"the logprob fields are missing from {len(absent)} of {asked} check answers"]
+    rate = tally.near_ties / tally.tokens if tally.tokens else 0.0
+    reason = None
+    if tally.mismatches:
+        reason = f"{tally.mismatches} emitted token(s) are not the target's choice"
+    elif rate > max_near_tie_rate:
+        reason = (f"{tally.near_ties} near-ties in {tally.tokens} tokens ({rate:.1%}, more than "
+                  f"{max_near_tie_rate:.1%}): a verify that flips the target's near-ties")
+    elif errors:
+        reason = f"the check could not run on {len(errors)} answer(s): {errors[0]}"
+    return {"status": FAILED if reason else PASSED, "reason": reason, "margin_nats": margin,
             "prompts": len(generations), "tokens_checked": tally.tokens, "mismatches": tally.mismatches,
-            "near_ties": tally.near_ties, "first_mismatch": tally.first_mismatch,
-            "first_near_tie": tally.first_near_tie, "gaps_nats": sorted(tally.gaps or [])[:MAX_GAPS],
+            "near_ties": tally.near_ties, "near_tie_rate": round(rate, 5),
+            "max_near_tie_rate": max_near_tie_rate,
+            "first_mismatch": tally.first_mismatch, "first_near_tie": tally.first_near_tie,
+            "gaps_nats": sorted(tally.gaps or [])[:MAX_GAPS], "errors": errors[:MAX_GAPS],
             "per_prompt": per_prompt}
+
+
+def failure_cause(report: dict[str, Any]) -> str | None:
+    """The probe's cause for a failed report: a wrong token (or near-ties flipped) is proof the verify is
+    not lossless; otherwise the check could not run on a server that claims its fields."""
+    if report.get("status") != FAILED:
+        return None
+    rate, bound = report.get("near_tie_rate") or 0, report.get("max_near_tie_rate")
+    if report.get("mismatches") or (bound is not None and rate > bound):
+        return "verify_not_lossless"
+    return "lossless_check_error"
 
 
 def _compare(index: int, gen: Generation, answer: Any, margin: float, tally: _Tally) -> None:
@@ -182,19 +256,23 @@ def _compare(index: int, gen: Generation, answer: Any, margin: float, tally: _Ta
                         "positions asked for")
     # Aligned from the end: the last m entries are the positions of the emitted tokens.
     for k, (entry, top, emitted) in enumerate(zip(tokens[-m:], tops[-m:], gen.output_ids, strict=True)):
-        emitted_lp, echoed = _logprob_entry(entry, f"{where}: input_token_logprobs[{k - m}]")
-        if echoed != emitted or emitted_lp is None:
+        emitted_lp, echoed = _logprob_entry(entry, f"{where}: input_token_logprobs[{k - m}]", zero_ok=True)
+        if echoed != emitted:
             raise BadAnswer(f"{where}: input_token_logprobs[{k - m}] is {str(entry)[:80]}, not the "
                             f"logprob of the emitted token {emitted}")
         target_lp, target = _top1(top, f"{where}: input_top_logprobs[{k - m}]")
-        gap = target_lp - emitted_lp
+        # No logprob (-inf, which SGLang's JSON writes as null): the target gives it probability 0.
+        gap = math.inf if emitted_lp is None else target_lp - emitted_lp
         tally.tokens += 1
         if emitted == target or gap <= 0:
             continue
-        tally.gaps = [*(tally.gaps or []), round(gap, 5)]
+        tally.gaps = [*(tally.gaps or []), round(gap, 5)] if math.isfinite(gap) else (tally.gaps or [])
         found = {"prompt": index, "position": k, "sequence_position": len(gen.prompt_ids) + k,
-                 "emitted_token": emitted, "emitted_logprob": round(emitted_lp, 5), "target_token": target,
-                 "target_logprob": round(target_lp, 5), "gap_nats": round(gap, 5)}
+                 "emitted_token": emitted,
+                 "emitted_logprob": None if emitted_lp is None else round(emitted_lp, 5),
+                 "target_token": target, "target_logprob": round(target_lp, 5),
+                 "gap_nats": round(gap, 5) if math.isfinite(gap) else None,
+                 "zero_probability": emitted_lp is None}
         if gap <= margin:
             tally.near_ties += 1
             tally.first_near_tie = tally.first_near_tie or found
@@ -203,12 +281,13 @@ def _compare(index: int, gen: Generation, answer: Any, margin: float, tally: _Ta
             tally.first_mismatch = tally.first_mismatch or found
 
 
-def _logprob_entry(entry: Any, where: str) -> tuple[float | None, int]:
-    """SGLang's [logprob, token_id, text-or-null]: (logprob or None, token id)."""
+def _logprob_entry(entry: Any, where: str, *, zero_ok: bool = False) -> tuple[float | None, int]:
+    """SGLang's [logprob, token_id, text-or-null]: (logprob or None, token id). With ``zero_ok`` a -inf
+    logprob (probability 0) comes back as None, like SGLang's null."""
     if not isinstance(entry, list) or len(entry) < 2 or not _is_id(entry[1]):
         raise BadAnswer(f"{where} is {str(entry)[:80]}, not [logprob, token_id, text]")
     lp = entry[0]
-    if lp is None:
+    if lp is None or (zero_ok and isinstance(lp, float) and lp == -math.inf):
         return None, entry[1]
     if isinstance(lp, bool) or not isinstance(lp, int | float) or not math.isfinite(lp) or lp > 1e-3:
         raise BadAnswer(f"{where} has logprob {str(lp)[:40]}, not a finite log-probability")
@@ -243,10 +322,14 @@ def summary(report: dict[str, Any]) -> str:
               f"within {margin:g} nats")
     first = report.get("first_mismatch")
     if status == FAILED and first:
+        lp = first["emitted_logprob"]
+        emitted = "probability 0" if lp is None else f"logprob {lp:.3f}"
+        apart = "" if first["gap_nats"] is None else f", {first['gap_nats']:.3f} nats apart"
         counts += (f"; first at prompt {first['prompt']} token {first['position']}: emitted "
-                   f"{first['emitted_token']} (logprob {first['emitted_logprob']:.3f}) where the target "
-                   f"chooses {first['target_token']} ({first['target_logprob']:.3f}), "
-                   f"{first['gap_nats']:.3f} nats apart: this build's speculative verify is not lossless")
+                   f"{first['emitted_token']} ({emitted}) where the target chooses {first['target_token']} "
+                   f"({first['target_logprob']:.3f}){apart}: this build's speculative verify is not lossless")
+    elif status == FAILED and report.get("reason"):
+        counts += f"; {report['reason']}"
     return counts
 
 
@@ -285,7 +368,7 @@ def check_lossless(base_url: str, prompts: Sequence[str | list[int]], *, max_new
     if texts:
         found, why = tokenize(base, texts, timeout=timeout)
         if found is None:
-            return not_checked(why, margin)
+            return not_checked(why, margin) if tokenize_absent(why) else check_failed(why, margin)
         tokenized = found
     feed = iter(tokenized)
     prompt_ids = [next(feed) if isinstance(p, str) else list(p) for p in prompts]

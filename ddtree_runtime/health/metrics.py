@@ -169,7 +169,9 @@ class DDTreeCollector:
              ["unit", "probe", "cause"]),
             ("spec_accept_length", "tokens per verify step measured by the last live probe", ["unit"]),
             ("probe_lossless_checked", "1 if the last live probe checked every emitted token against the "
-             "target's prefill, 0 if the server could not be checked", ["unit"]),
+             "target's prefill, 0 if the server could not be checked (or some of its answers)", ["unit"]),
+            ("probe_lossless_errors", "answers whose lossless check could not run on a server that has the "
+             "fields (HTTP error, malformed answer; cause lossless_check_error)", ["unit"]),
             ("probe_lossless_tokens_checked", "emitted tokens the last live probe checked", ["unit"]),
             ("probe_lossless_mismatches", "emitted tokens that were not the target's greedy choice beyond "
              "the near-tie margin (0 on a lossless build)", ["unit"]),
@@ -247,7 +249,13 @@ class DDTreeCollector:
         status = checked.get("status")
         if status not in ("passed", "failed", "not_checked"):
             return []
-        out: list[Sample] = [("probe_lossless_checked", [unit], 0.0 if status == "not_checked" else 1.0)]
+        errors = checked.get("errors")
+        errors = len(errors) if isinstance(errors, list) else 0
+        # A check that could not read some answers did not check every emitted token.
+        out: list[Sample] = [("probe_lossless_checked", [unit],
+                              0.0 if status == "not_checked" or errors else 1.0)]
+        if status != "not_checked":
+            out.append(("probe_lossless_errors", [unit], float(errors)))
         for key, family in (("tokens_checked", "probe_lossless_tokens_checked"),
                             ("mismatches", "probe_lossless_mismatches"),
                             ("near_ties", "probe_lossless_near_ties")):

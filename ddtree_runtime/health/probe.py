@@ -1,14 +1,18 @@
 """`ddtree probe static|live`: the gates a rollout runs before and after a restart.
 
 static: the model pair on disk agrees on the hidden-state contract (configs and safetensors header).
-live:   the server is ready, runs DDTREE with the expected handshake, answers fixed prompts at T=0,
-        every token it emitted is the target's own greedy choice (one prefill of prompt + answer per
-        prompt, ddtree_runtime.health.lossless), and it accepts enough draft tokens per verify step.
+live:   the server is ready, runs DDTREE with the expected handshake, answers fixed prompts at T=0
+        (one at a time, then all of them as one batch) with as many tokens as asked (fewer only where a
+        stop token ended the answer), every token it emitted is the target's own greedy choice (one
+        prefill of prompt + answer per answer, ddtree_runtime.health.lossless), and it accepts enough draft
+        tokens per verify step. The probe fails closed: a lossless check that cannot run on a server
+        that has the fields fails (``lossless_check_error``); one without them fails too
+        (``lossless_not_checked``) unless --allow-lossless-unchecked says the operator accepts that.
 
 Exit codes (an Ansible task gates on them): 0 pass, 1 a check failed, 2 bad input, 3 server not
 reachable or not ready in time. Every HTTP exchange ends within its deadline (--timeout for readiness,
 --request-timeout for each request after it), however slowly the server answers, so `probe live`
-ends within --timeout + (prompts + 4) x --request-timeout. Host side: stdlib only (plus our contract,
+ends within --timeout + (3 x prompts + 4) x --request-timeout. Host side: stdlib only (plus our contract,
 diagnose, lossless and http_client).
 """
 
@@ -25,6 +29,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +54,7 @@ _CONTRACT_CAUSE = {"fc_width_mismatch": "hidden_width_mismatch",
 # Bounds on the arguments: a probe that may wait longer than a day is a typo, not a setting.
 MAX_WAIT_S = 86400.0
 MAX_PROMPT_CHARS = 100_000
+MAX_AT_ONCE = 64  # prompts sent together in the batch run (SGLang's default max running requests is 48+)
 
 
 @dataclass
@@ -297,52 +303,123 @@ _FAILURE_HINT = {
 
 def _tokenize(base: str, prompts: list[str], timeout: float, report: Report) -> tuple[list | None, str]:
     """The prompts' token ids as the server reads them (the generation and the lossless check then send
-    the same ids), or (None, why the lossless check cannot run)."""
+    the same ids), or (None, why the lossless check cannot run: a server without /tokenize). A
+    /tokenize that is there but fails fails the probe (lossless_check_error)."""
     try:
-        return lossless.tokenize(base, prompts, timeout=timeout)
+        ids, why = lossless.tokenize(base, prompts, timeout=timeout)
     except HTTPFailure as exc:
         cause = _failure_cause(exc)
         report.check("lossless", False, f"{exc}; {_FAILURE_HINT[cause]}", cause)
         return None, ""
+    if ids is None and not lossless.tokenize_absent(why):
+        report.check("lossless", False, f"{why}: the lossless check cannot run", "lossless_check_error")
+    return ids, why
+
+
+def _count_problem(meta: dict, ids: list[int] | None, tokens: int, max_new_tokens: int) -> str | None:
+    """Why an answer's length is not what was asked: max_new_tokens exactly, fewer only when a stop token
+    (EOS or a stop id, SGLang's finish_reason {"type": "stop", "matched": ID}) ends it, never more (a
+    verify that emits drafts past the end, or stops early, is broken)."""
+    n = len(ids) if ids is not None else tokens
+    if ids is not None and tokens != len(ids):
+        return f"meta_info.completion_tokens {tokens} but {len(ids)} output_ids"
+    if n > max_new_tokens:
+        return f"{n} tokens for max_new_tokens {max_new_tokens}"
+    finish = meta.get("finish_reason")
+    kind = finish.get("type") if isinstance(finish, dict) else None
+    if kind == "stop":
+        matched = finish.get("matched")
+        if _is_int(matched) and ids is not None and (not ids or ids[-1] != matched or matched in ids[:-1]):
+            return f"finish_reason stop at token {matched}, but the answer does not end at its first one"
+        return None
+    if n != max_new_tokens:
+        return f"{n} tokens for max_new_tokens {max_new_tokens} (finish_reason {str(finish)[:80]})"
+    return None
+
+
+def _post(base: str, payload: dict, timeout: float) -> tuple[int, bytes] | HTTPFailure:
+    try:
+        return http_request(f"{base}/generate", payload=payload, timeout=timeout)
+    except HTTPFailure as exc:
+        return exc
+
+
+def _generate_doc(answer: tuple[int, bytes] | HTTPFailure, report: Report) -> dict | None:
+    """One POST /generate's JSON object, or None once a failure is recorded."""
+    if isinstance(answer, HTTPFailure):
+        cause = _failure_cause(answer)
+        report.check("generate", False, f"{answer}; {_FAILURE_HINT[cause]}", cause)
+        return None
+    status, body = answer
+    doc = _json(body)
+    if status != 200 or not isinstance(doc, dict):
+        text = body.decode(errors="replace")[:2000]
+        found = diagnose.scan(text)  # the server's error often names the failure itself
+        report.check("generate", False, f"HTTP {status}: {text}",
+                     found[0].cause if found else "generation_failed")
+        return None
+    return doc
+
+
+def _answer(doc: Any, prompt: str, max_new_tokens: int, report: Report, where: str
+            ) -> tuple[dict, tuple[int, int | None]] | None:
+    """One generation's answer and (completion_tokens, spec_verify_ct), or None once a failure is recorded."""
+    if not isinstance(doc, dict):
+        report.check("generate", False, f"{where}: {str(doc)[:100]!r} is not an answer object",
+                     "bad_response")
+        return None
+    try:
+        answer, ids, tokens, verify = _parse_generation(doc)
+    except _BadResponse as exc:
+        report.check("generate", False, f"{where}: POST /generate answered 200 but {exc}: "
+                     "not an SGLang 0.5.23 answer", "bad_response")
+        return None
+    if not answer.strip():
+        report.check("generate", False, f"{where}: empty answer to {prompt!r}", "empty_answer")
+        return None
+    problem = _count_problem(doc.get("meta_info") or {}, ids, tokens, max_new_tokens)
+    if problem:
+        report.check("generate", False, f"{where} ({prompt[:60]!r}): {problem}: the answer is not what was "
+                     "asked (a verify that emits unverified drafts past the end, or stops early)",
+                     "wrong_token_count")
+        return None
+    return {"prompt": prompt, "text": answer, "output_ids": ids}, (tokens, verify)
 
 
 def _generate(base: str, prompts: list[str], max_new_tokens: int, timeout: float, report: Report,
               prompt_ids: list[list[int]] | None = None) -> list:
-    """One greedy generation per prompt (its token ids when known); returns (completion_tokens,
-    spec_verify_ct or None) per answer."""
+    """One greedy generation per prompt (its token ids when known), then all of them again as one batch
+    (a verify wrong only in a batch); returns (completion_tokens, spec_verify_ct or None) per answer of
+    the one-at-a-time run. ``figures.answers`` / ``figures.batch_answers`` hold both runs' answers."""
     counts, answers, started = [], [], time.monotonic()
-    for i, prompt in enumerate(prompts):
-        source = {"text": prompt} if prompt_ids is None else {"input_ids": prompt_ids[i]}
-        payload = {**source, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens}}
-        try:
-            status, body = http_request(f"{base}/generate", payload=payload, timeout=timeout)
-        except HTTPFailure as exc:
-            cause = _failure_cause(exc)
-            report.check("generate", False, f"{exc}; {_FAILURE_HINT[cause]}", cause)
+    sampling = {"temperature": 0, "max_new_tokens": max_new_tokens}
+    payloads = [{**({"text": p} if prompt_ids is None else {"input_ids": prompt_ids[i]}),
+                 "sampling_params": sampling} for i, p in enumerate(prompts)]
+    for i, (prompt, payload) in enumerate(zip(prompts, payloads, strict=True)):
+        doc = _generate_doc(_post(base, payload, timeout), report)
+        found = None if doc is None else _answer(doc, prompt, max_new_tokens, report, f"answer {i}")
+        if found is None:
             return counts
-        doc = _json(body)
-        if status != 200 or not isinstance(doc, dict):
-            text = body.decode(errors="replace")[:2000]
-            found = diagnose.scan(text)  # the server's error often names the failure itself
-            report.check("generate", False, f"HTTP {status}: {text}",
-                         found[0].cause if found else "generation_failed")
-            return counts
-        try:
-            answer, ids, tokens, verify = _parse_generation(doc)
-        except _BadResponse as exc:
-            report.check("generate", False, f"POST /generate answered 200 but {exc}: "
-                         "not an SGLang 0.5.23 answer", "bad_response")
-            return counts
-        answers.append({"prompt": prompt, "text": answer, "output_ids": ids})
-        counts.append((tokens, verify))
-        if not answer.strip():
-            report.check("generate", False, f"empty answer to {prompt!r}", "empty_answer")
-            return counts
+        answers.append(found[0])
+        counts.append(found[1])
     report.figures["generate_seconds"] = round(time.monotonic() - started, 3)
+    # All prompts at once: the scheduler decodes them as one batch, as SGLang does a batched request
+    # (it hands each of its prompts to the scheduler as a request of its own).
+    with ThreadPoolExecutor(max_workers=min(len(payloads), MAX_AT_ONCE)) as pool:
+        replies = list(pool.map(lambda payload: _post(base, payload, timeout), payloads))
+    batch = []
+    for i, (prompt, reply) in enumerate(zip(prompts, replies, strict=True)):
+        doc = _generate_doc(reply, report)
+        found = None if doc is None else _answer(doc, prompt, max_new_tokens, report, f"batch answer {i}")
+        if found is None:
+            return counts
+        batch.append(found[0])
     tokens = sum(t for t, _ in counts)
     report.figures["completion_tokens"] = tokens
     report.figures["answers"] = answers
-    report.check("generate", True, f"{len(prompts)} prompt(s) answered at T=0, {tokens} tokens")
+    report.figures["batch_answers"] = batch
+    report.check("generate", True, f"{len(prompts)} prompt(s) answered at T=0 one at a time and as one "
+                 f"batch, {tokens} tokens each time, as many as asked")
     return counts
 
 
@@ -496,17 +573,24 @@ def _check_handshake(report: Report, hs: Any) -> None:
 
 
 def _run_lossless(base: str, report: Report, prompt_ids: list | None, skipped: str, margin: float,
-                  timeout: float) -> dict[str, Any] | None:
-    """The lossless check's HTTP part, right after the generation; None once a failure is recorded."""
-    answers = report.figures.get("answers") or []
+                  timeout: float, max_near_tie_rate: float = lossless.DEFAULT_MAX_NEAR_TIE_RATE
+                  ) -> dict[str, Any] | None:
+    """The lossless check's HTTP part, right after the generation, on both runs' answers (one at a time,
+    then the batch); None once a failure is recorded."""
+    answers = (report.figures.get("answers") or []) + (report.figures.get("batch_answers") or [])
     if prompt_ids is None:
         return lossless.not_checked(skipped, margin)
-    if any(a["output_ids"] is None for a in answers):
+    missing = sum(a["output_ids"] is None for a in answers)
+    if missing == len(answers):
         return lossless.not_checked("the /generate answers carry no output_ids", margin)
+    if missing:  # a server that gives output_ids on some answers claims them
+        return lossless.check_failed(f"{missing} of {len(answers)} /generate answers carry no output_ids",
+                                     margin)
     generations = [lossless.Generation(ids, a["output_ids"])
-                   for ids, a in zip(prompt_ids, answers, strict=True)]
+                   for ids, a in zip(prompt_ids * 2, answers, strict=True)]
     try:
-        return lossless.verify(base, generations, margin=margin, timeout=timeout)
+        return lossless.verify(base, generations, margin=margin, timeout=timeout,
+                               max_near_tie_rate=max_near_tie_rate)
     except HTTPFailure as exc:
         cause = _failure_cause(exc)
         report.check("lossless", False, f"{exc}; {_FAILURE_HINT[cause]}", cause)
@@ -515,15 +599,25 @@ def _run_lossless(base: str, report: Report, prompt_ids: list | None, skipped: s
     return None
 
 
-def _check_lossless(report: Report, doc: dict[str, Any]) -> None:
+def _check_lossless(report: Report, doc: dict[str, Any], allow_unchecked: bool = False) -> None:
+    """Fails closed: a failed check names its cause; not_checked passes only where the operator allowed
+    it (--allow-lossless-unchecked), and is said in the check line either way."""
     report.figures["lossless"] = doc
-    ok = doc["status"] != lossless.FAILED  # not_checked is said, never failed and never passed silently
-    report.check("lossless", ok, lossless.summary(doc), "verify_not_lossless")
+    if doc["status"] == lossless.NOT_CHECKED:
+        detail = lossless.summary(doc)
+        if not allow_unchecked:
+            detail += ("; the probe cannot prove this server lossless (pass --allow-lossless-unchecked, "
+                       "role variable ddtree_probe_allow_lossless_unchecked, to accept that)")
+        report.check("lossless", allow_unchecked, detail, "lossless_not_checked")
+        return
+    ok = doc["status"] == lossless.PASSED
+    report.check("lossless", ok, lossless.summary(doc), lossless.failure_cause(doc))
 
 
 def check_live_args(url: str, *, timeout: float, request_timeout: float, max_new_tokens: int,
                     min_accept_length: float | None, prompts: list[str] | None, poll_s: float = 2.0,
-                    lossless_margin: float = lossless.DEFAULT_MARGIN) -> str:
+                    lossless_margin: float = lossless.DEFAULT_MARGIN,
+                    max_near_tie_rate: float = lossless.DEFAULT_MAX_NEAR_TIE_RATE) -> str:
     """The base URL; _ProbeInputError (exit 2) naming the first argument that cannot work."""
     try:
         base = http_client.check_base_url(url)
@@ -544,6 +638,10 @@ def check_live_args(url: str, *, timeout: float, request_timeout: float, max_new
             math.isfinite(lossless_margin) and 0 <= lossless_margin <= 100):
         raise _ProbeInputError(f"--lossless-margin {lossless_margin!r}: pass a number of nats in [0, 100] "
                                f"(default {lossless.DEFAULT_MARGIN:g})")
+    if isinstance(max_near_tie_rate, bool) or not isinstance(max_near_tie_rate, int | float) or not (
+            math.isfinite(max_near_tie_rate) and 0 <= max_near_tie_rate <= 1):
+        raise _ProbeInputError(f"--max-near-tie-rate {max_near_tie_rate!r}: pass a fraction of the checked "
+                               f"tokens in [0, 1] (default {lossless.DEFAULT_MAX_NEAR_TIE_RATE:g})")
     if prompts is not None:
         if not prompts:
             raise _ProbeInputError("--prompts: pass at least one prompt")
@@ -557,11 +655,13 @@ def check_live_args(url: str, *, timeout: float, request_timeout: float, max_new
 def live_probe(url: str, *, timeout: float = 600, min_accept_length: float | None = None,
                prompts: list[str] | None = None, max_new_tokens: int = 32, request_timeout: float = 120,
                expect: dict[str, str] | None = None, poll_s: float = 2.0, unit: str | None = None,
-               lossless_margin: float = lossless.DEFAULT_MARGIN) -> Report:
+               lossless_margin: float = lossless.DEFAULT_MARGIN, allow_lossless_unchecked: bool = False,
+               max_near_tie_rate: float = lossless.DEFAULT_MAX_NEAR_TIE_RATE) -> Report:
     report = Report("live")
     base = check_live_args(url, timeout=timeout, request_timeout=request_timeout,
                            max_new_tokens=max_new_tokens, min_accept_length=min_accept_length,
-                           prompts=prompts, poll_s=poll_s, lossless_margin=lossless_margin)
+                           prompts=prompts, poll_s=poll_s, lossless_margin=lossless_margin,
+                           max_near_tie_rate=max_near_tie_rate)
     report.figures["url"] = base
     if not wait_ready(base, timeout, report, poll_s=poll_s, unit=unit):
         return report
@@ -572,7 +672,8 @@ def live_probe(url: str, *, timeout: float = 600, min_accept_length: float | Non
     counts = _generate(base, prompts, max_new_tokens, request_timeout, report, prompt_ids)
     if not report.ok:
         return report
-    checked = _run_lossless(base, report, prompt_ids, skipped, lossless_margin, request_timeout)
+    checked = _run_lossless(base, report, prompt_ids, skipped, lossless_margin, request_timeout,
+                            max_near_tie_rate)
     if checked is None:
         return report
     try:
@@ -597,7 +698,7 @@ def live_probe(url: str, *, timeout: float = 600, min_accept_length: float | Non
                  ", ".join(f"{k}={info.get(k)}" for k in wanted), "flags_mismatch")
     if algorithm == "DDTREE":
         _check_handshake(report, info.get("ddtree_handshake"))
-    _check_lossless(report, checked)
+    _check_lossless(report, checked, allow_lossless_unchecked)
     _check_accept_length(report, info, counts, base, request_timeout, min_accept_length)
     if report.ok:
         hybrid = ", hybrid target" if report.handshake.get("target_hybrid") is True else ""
@@ -736,7 +837,9 @@ def _run_live(args: argparse.Namespace) -> int:
         return _timed(live_probe, args.url, timeout=args.timeout, min_accept_length=args.min_accept_length,
                       prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                       request_timeout=args.request_timeout, expect=_parse_expect(args.expect), unit=args.unit,
-                      lossless_margin=args.lossless_margin)
+                      lossless_margin=args.lossless_margin,
+                      allow_lossless_unchecked=args.allow_lossless_unchecked,
+                      max_near_tie_rate=args.max_near_tie_rate)
 
     report = _guarded("live", run)
     if not report.ok and args.unit and report.exit_code != EXIT_BAD_INPUT:
@@ -775,4 +878,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     live.add_argument("--lossless-margin", type=float, default=lossless.DEFAULT_MARGIN, metavar="NATS",
                       help="an emitted token this close to the target's top-1 is a near-tie, not a mismatch "
                       f"(default {lossless.DEFAULT_MARGIN:g}: bf16 verify and prefill kernels differ)")
+    live.add_argument("--max-near-tie-rate", type=float, default=lossless.DEFAULT_MAX_NEAR_TIE_RATE,
+                      metavar="FRACTION", help="fail when more of the checked tokens than this are near-ties "
+                      f"(default {lossless.DEFAULT_MAX_NEAR_TIE_RATE:g}: a verify that flips near-ties)")
+    live.add_argument("--allow-lossless-unchecked", action="store_true",
+                      help="pass a server that has no /tokenize or logprob fields at all, so the lossless "
+                      "check cannot run (default: fail, cause lossless_not_checked)")
     live.set_defaults(func=_run_live)

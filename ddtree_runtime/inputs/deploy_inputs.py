@@ -17,6 +17,7 @@ import math
 import posixpath
 import re
 import unicodedata
+import urllib.parse
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -613,6 +614,8 @@ def exporter_problems(v: Mapping[str, Any]) -> list[str]:
         account("ddtree_exporter_probe_user", v.get("probe_user")),
         timespan("ddtree_exporter_probe_interval", v.get("probe_interval")),
         number("ddtree_exporter_probe_min_accept_length", v.get("probe_min_accept_length"), 1.0, 1000),
+        strict_bool("ddtree_exporter_probe_allow_lossless_unchecked",
+                    v.get("probe_allow_lossless_unchecked", False)),
         integer("ddtree_exporter_probe_timeout", v.get("probe_timeout"), 1, 86400),
         integer("ddtree_exporter_probe_request_timeout", v.get("probe_request_timeout"), 1, 86400),
     )
@@ -645,6 +648,7 @@ def probe_problems(v: Mapping[str, Any]) -> list[str]:
         abs_path("ddtree_probe_draft_model_path", v.get("draft_model_path"), plain=False),
         abs_path("ddtree_probe_report_dir", v.get("report_dir")),
         number("ddtree_probe_min_accept_length", v.get("min_accept_length"), 1.0, 1000),
+        strict_bool("ddtree_probe_allow_lossless_unchecked", v.get("allow_lossless_unchecked", False)),
         integer("ddtree_probe_timeout", v.get("timeout"), 1, 86400),
     )
     since = v.get("journal_since")
@@ -686,9 +690,117 @@ def runtime_problems(v: Mapping[str, Any]) -> list[str]:
 _ROUTER_VERSION = re.compile(r"\d{1,4}\.\d{1,4}\.\d{1,4}")
 # 16+ characters the router's id:name:role:key list and an HTTP bearer header both carry as they are.
 _CONTROL_KEY = re.compile(r"[A-Za-z0-9_.~+/=-]{16,256}")
-# The router role sets these itself (its own variables): extra flags may not set them again.
-_ROUTER_OWN_FLAGS = ("--host", "--port", "--worker-urls", "--control-plane-api-keys", "--prometheus-host",
-                     "--prometheus-port")
+# Every long option of the pinned router's parser (sglang_router.launch_router.parse_router_args, an
+# argparse parser with allow_abbrev: any unambiguous prefix of one of these is that option).
+# tests/unit/test_router_role.py reads the installed router's own parser and keeps this equal.
+_ROUTER_0_3_2_OPTIONS = """
+        --host --port --worker-urls --policy --prefill-policy --decode-policy --cache-threshold
+        --balance-abs-threshold --balance-rel-threshold --bucket-adjust-interval-secs --eviction-interval-secs
+        --max-tree-size --max-idle-secs --assignment-mode --max-payload-size --dp-aware --enable-igw --mini-lb
+        --pd-disaggregation --prefill --decode --worker-startup-timeout-secs --worker-startup-check-interval
+        --log-dir --log-level --service-discovery --selector --service-discovery-port
+        --service-discovery-namespace --prefill-selector --decode-selector --prometheus-port --prometheus-host
+        --prometheus-duration-buckets --request-id-headers --request-timeout-secs --shutdown-grace-period-secs
+        --cors-allowed-origins --max-concurrent-requests --queue-size --queue-timeout-secs
+        --rate-limit-tokens-per-second --retry-max-retries --retry-initial-backoff-ms --retry-max-backoff-ms
+        --retry-backoff-multiplier --retry-jitter-factor --disable-retries --cb-failure-threshold
+        --cb-success-threshold --cb-timeout-duration-secs --cb-window-duration-secs --disable-circuit-breaker
+        --health-failure-threshold --health-success-threshold --health-check-timeout-secs
+        --health-check-interval-secs --health-check-endpoint --disable-health-check --model-path
+        --tokenizer-path --chat-template --tokenizer-cache-enable-l0 --tokenizer-cache-l0-max-entries
+        --tokenizer-cache-enable-l1 --tokenizer-cache-l1-max-memory --reasoning-parser --tool-call-parser
+        --mcp-config-path --backend --history-backend --oracle-wallet-path --oracle-tns-alias
+        --oracle-connect-descriptor --oracle-username --oracle-password --oracle-pool-min --oracle-pool-max
+        --oracle-pool-timeout-secs --postgres-db-url --postgres-pool-max --redis-url --redis-pool-max
+        --redis-retention-days --client-cert-path --client-key-path --ca-cert-paths --tls-cert-path
+        --tls-key-path --enable-trace --otlp-traces-endpoint --api-key --control-plane-api-keys
+        --control-plane-audit-enabled --jwt-issuer --jwt-audience --jwt-jwks-uri --jwt-role-mapping
+        --help"""
+ROUTER_OPTIONS: dict[str, frozenset[str]] = {"0.3.2": frozenset(_ROUTER_0_3_2_OPTIONS.split())}
+# What extra flags may never set, besides every flag router_argv renders: the launcher's own (the
+# worker list and the control key, from the unit's environment), secrets (a unit and a command line are
+# readable by every local user), and what turns off what the rotation relies on or exits the router.
+ROUTER_LAUNCHER_FLAGS = ("--worker-urls", "--control-plane-api-keys")
+ROUTER_SECRET_FLAGS = ("--api-key", "--oracle-password", "--postgres-db-url", "--redis-url")
+ROUTER_MODE_FLAGS = ("--help", "--disable-health-check", "--mini-lb", "--pd-disaggregation",
+                     "--service-discovery", "--enable-igw", "--tls-cert-path", "--tls-key-path",
+                     "--health-check-endpoint")
+
+
+def resolve_router_option(word: str, version: str) -> tuple[str | None, str | None]:
+    """(the option the pinned router's argparse reads `word` as, None) or (None, why it reads none):
+    an exact name, else the one option it is a prefix of; `--name=value` counts by its name."""
+    options = ROUTER_OPTIONS.get(version)
+    if options is None:
+        known = ", ".join(sorted(ROUTER_OPTIONS))
+        return None, (f"cannot be checked: the flag table knows sglang-router {known} only, not "
+                      f"{version} (add its options to deploy_inputs.ROUTER_OPTIONS)")
+    name = word.partition("=")[0]
+    if name in options:
+        return name, None
+    matches = sorted(o for o in options if o.startswith(name))
+    if len(matches) == 1:
+        return matches[0], None
+    if matches:
+        shown = ", ".join(matches[:6])
+        return None, f"is ambiguous to sglang-router {version} ({shown}...): it would not start"
+    return None, f"is not an option of sglang-router {version}: it would not start"
+
+
+# The role installs roles/sglang_router/files/ddtree-router-launch.py under sglang_router_root.
+ROUTER_LAUNCHER = "ddtree-router-launch.py"
+
+
+def router_argv(v: Mapping[str, Any]) -> list[str]:
+    """The router unit's ExecStart words (the launcher, then every flag the role sets). The worker list
+    and the control key are not here: the launcher reads them from the unit's environment."""
+    venv = f"{v['root']}/{v['version']}"
+    argv = [f"{venv}/bin/python", "-I", f"{v['root']}/{ROUTER_LAUNCHER}",
+            "--host", str(v["listen_address"]), "--port", str(v["port"]), "--policy", str(v["policy"]),
+            "--prometheus-host", str(v["metrics_listen_address"]),
+            "--prometheus-port", str(v["metrics_port"]),
+            "--health-check-interval-secs", str(v["health_check_interval_s"]),
+            "--health-failure-threshold", str(v["health_failure_threshold"]),
+            "--request-timeout-secs", str(v["request_timeout_s"]),
+            "--shutdown-grace-period-secs", str(v["shutdown_grace_s"]),
+            "--worker-startup-timeout-secs", str(v["worker_startup_timeout_s"])]
+    return argv + split_launch_flags(v.get("extra_flags") or [], "sglang_router_extra_flags")
+
+
+def router_flag_problems(v: Mapping[str, Any]) -> list[str]:
+    """Extra router flags read as the pinned router's parser reads them (prefixes too), refused when one
+    names a flag the role's unit sets, a secret, or a mode the rotation cannot work with."""
+    items = v.get("extra_flags")
+    if not isinstance(items, list) or launch_problems("sglang_router_extra_flags", items):
+        return []  # said by launch_problems
+    version = str(v.get("version"))
+    try:
+        owned = {w for w in router_argv({**v, "extra_flags": []}) if w.startswith("--")}
+    except (KeyError, InputError):
+        owned = set()
+    owned |= set(ROUTER_LAUNCHER_FLAGS)
+    problems = []
+    # Only the flag's name is shown: its value may be a secret.
+    for i, item in enumerate(items):
+        text = str(item)
+        if not text.startswith("--"):
+            continue  # a value of its own item
+        name = text.partition(" ")[0].partition("=")[0]
+        where = f"sglang_router_extra_flags[{i}]"
+        option, why = resolve_router_option(name, version)
+        if option is None:
+            problems.append(_problem(where, name, str(why)))
+        elif option in ROUTER_SECRET_FLAGS:
+            problems.append(_problem(where, name, f"is {option}, a secret: the unit and the router's command "
+                                     "line are readable by every local user, so it is not supported here"))
+        elif option in owned:
+            owned_list = ", ".join(sorted(owned))
+            problems.append(_problem(where, name, f"is read as {option} by sglang-router {version}, which "
+                                     f"the role sets itself: {owned_list} may not be given here"))
+        elif option in ROUTER_MODE_FLAGS:
+            problems.append(_problem(where, name, f"is read as {option}: the role and the rotation need the "
+                                     "router's plain-HTTP control API and its health checks as they are"))
+    return problems
 
 
 def ip_address(name: str, value: Any) -> str | None:
@@ -735,11 +847,7 @@ def router_problems(v: Mapping[str, Any]) -> list[str]:
     if not problems and as_int(v.get("port")) == as_int(v.get("metrics_port")):
         problems.append(_problem("sglang_router_metrics_port", v.get("metrics_port"),
                                  "is the router's port: the metrics listen on a port of their own"))
-    for i, item in enumerate(v.get("extra_flags") if isinstance(v.get("extra_flags"), list) else []):
-        flag = str(item).split(" ", 1)[0].split("=", 1)[0]
-        if flag in _ROUTER_OWN_FLAGS:
-            problems.append(_problem(f"sglang_router_extra_flags[{i}]", item, "sets a flag the role's own "
-                                     f"variables set: {', '.join(_ROUTER_OWN_FLAGS)} may not be given here"))
+    problems += router_flag_problems(v)
     addresses = v.get("worker_addresses")
     for i, address in enumerate(addresses if isinstance(addresses, list) else [addresses]):
         problems += _collect(ip_address(f"sglang_router_workers[{i}]'s address", address))
@@ -762,3 +870,91 @@ def rotation_problems(v: Mapping[str, Any]) -> list[str]:
         integer("sglang_rotation_api_timeout", v.get("api_timeout"), 1, 3600),
         string_list("sglang_rotation_routers", v.get("routers")),
     )
+
+
+# ---------------------------------------------------------------------------- what a router says
+
+# A router's worker id goes into DELETE /workers/<id>: sglang-router's are UUIDs; no '/', '?', '%'.
+_WORKER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+_HOST_NAME = re.compile(r"[a-z0-9]([a-z0-9-]{0,62})(\.[a-z0-9]([a-z0-9-]{0,62}))*\.?")
+_URL_PATH = re.compile(r"(/[A-Za-z0-9._~-]+)*")
+MAX_WORKERS = 4096
+
+
+def worker_url(url: Any, name: str = "a worker URL") -> str | None:
+    """One spelling of an http(s) worker URL, to compare and to write: scheme and host in lower case, an
+    IPv6 address compressed in brackets, the port always written (80/443 when left out), no trailing
+    '/'. None for another scheme (not a worker that serves). InputError, naming it, for a URL that cannot
+    be read safely: not a string, too long, a space or control character, credentials, a query."""
+    if not isinstance(url, str) or not url or len(url) > 2048:
+        raise InputError(_problem(name, url, "is not a URL string (1-2048 characters)"))
+    if _bad_chars(url) or any(ch.isspace() for ch in url):
+        raise InputError(_problem(name, url, "holds a space or a control character"))
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https"):
+        return None
+    if "@" in parts.netloc:
+        raise InputError(_problem(name, url, "holds credentials (user:pass@)", secret=True))
+    if parts.query or parts.fragment or "?" in url or "#" in url or "%" in parts.netloc:
+        raise InputError(_problem(name, url, "holds a query, a fragment or an escape: not a worker URL"))
+    try:
+        port = parts.port or (443 if scheme == "https" else 80)
+    except ValueError:
+        raise InputError(_problem(name, url, "has no valid port (1-65535)")) from None
+    host = (parts.hostname or "").lower()
+    try:
+        address = ipaddress.ip_address(host)
+        host = f"[{address.compressed}]" if address.version == 6 else address.compressed
+    except ValueError:
+        if not _HOST_NAME.fullmatch(host) or len(host) > 253:
+            raise InputError(_problem(name, url, "has no valid host (an IP address or a DNS name)")) from None
+    path = parts.path.rstrip("/")
+    if not _URL_PATH.fullmatch(path):
+        raise InputError(_problem(name, url, "has a path a worker URL does not have"))
+    return f"{scheme}://{host}:{port}{path}"
+
+
+def router_workers(answer: Any, router: str) -> list[dict[str, Any]]:
+    """A router's GET /workers answer ({"workers": [...]} or the list) as [{id, url, is_healthy}]: each id
+    checked before it goes into a path, each URL in worker_url's spelling, health a JSON boolean (not a
+    truthy string). Workers of another scheme are left out (they serve no http traffic of ours). Anything
+    else is InputError, one line naming the router and the entry: a decision makes no change on it. The
+    result is itself such an answer (checking it again gives it back)."""
+    listing = answer.get("workers") if isinstance(answer, Mapping) else answer
+    if not isinstance(listing, list):
+        raise InputError(f"router {router}: its GET /workers answer {show(answer)} is not a worker list")
+    if len(listing) > MAX_WORKERS:
+        raise InputError(f"router {router}: lists {len(listing)} workers, more than {MAX_WORKERS}")
+    workers = []
+    for i, entry in enumerate(listing):
+        where = f"router {router} worker {i}"
+        if not isinstance(entry, Mapping):
+            raise InputError(_problem(where, entry, "is not an object {id, url, is_healthy}"))
+        wid, healthy = entry.get("id"), entry.get("is_healthy")
+        if not isinstance(wid, str) or not _WORKER_ID.fullmatch(wid):
+            raise InputError(_problem(f"{where} id", wid, "is not a worker id: 1-128 of letters, digits and "
+                                      "'_.-', starting with a letter or digit"))
+        if not isinstance(healthy, bool):
+            raise InputError(_problem(f"{where} is_healthy", healthy, "is not a JSON boolean"))
+        url = worker_url(entry.get("url"), f"{where} url")
+        if url is not None:
+            workers.append({"id": wid, "url": url, "is_healthy": healthy})
+    return workers
+
+
+def router_lists(answer: Any, urls: Any, *, healthy: bool = False) -> bool | None:
+    """Whether a router's answer lists one of `urls` (healthy, when asked), in worker_url's spelling;
+    None when the answer cannot be read (a wait goes on waiting)."""
+    try:
+        wanted = {worker_url(u) for u in ([urls] if isinstance(urls, str) else urls)}
+        listed = router_workers(answer, "-")
+        return any(w["url"] in wanted and (w["is_healthy"] or not healthy) for w in listed)
+    except (InputError, TypeError):
+        return None
+
+
+def router_rotation_urls(answer: Any, router: str) -> list[str]:
+    """The URLs a router's rotation file keeps (read at its next start): its http(s) workers, checked and
+    in one spelling, sorted. InputError when the answer cannot be read: nothing is written then."""
+    return sorted({w["url"] for w in router_workers(answer, router)})

@@ -7,8 +7,13 @@ both engines' own `/metrics` (`sglang:e2e_request_latency_seconds`, a histogram)
 the window: requests, failures, mean and median latency per side. The shadow passes when it served
 enough requests, failed no more often than live (plus an allowed increase), and was not much slower.
 
+The evidence is checked before it is judged: a counter that is not finite, that went down over the
+window, or that is missing (no outcome recorded for a worker under any spelling of its URL, no latency
+histogram) aborts with the reason; never a promotion on figures that cannot be read.
+
 Run by the play on the controller as `python -m ddtree_runtime.ops.canary_traffic` with one JSON
-document on stdin; prints one JSON report. Exit 0 promote, 1 abort, 2 bad input.
+document on stdin; prints one JSON report. Exit 0 promote, 1 abort, 2 bad input (text that is not
+Prometheus', a bucket bound or count that is not a finite number: the verdict is abort then too).
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from ddtree_runtime.inputs.deploy_inputs import InputError
+from ddtree_runtime.inputs.deploy_inputs import worker_url as normal_url
 
 EXIT_PROMOTE, EXIT_ABORT, EXIT_BAD_INPUT = 0, 1, 2
 OUTCOMES = "smg_worker_cb_outcomes_total"
@@ -48,6 +56,7 @@ class Side:
     failures: int
     latency_mean_s: float | None
     latency_p50_s: float | None
+    evidence: tuple[str, ...] = ()  # why its counters cannot be trusted (each one aborts)
 
     @property
     def error_rate(self) -> float:
@@ -55,31 +64,47 @@ class Side:
         return self.failures / attempts if attempts else 0.0
 
 
-def _samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+def _samples(text: Any) -> list[tuple[str, dict[str, str], float]]:
+    if not isinstance(text, str):
+        raise TrafficInputError(f"metrics must be Prometheus text: got {type(text).__name__}")
     try:
         return [
             (s.name, s.labels, s.value) for fam in text_string_to_metric_families(text) for s in fam.samples
         ]
-    except (ValueError, TypeError) as exc:
-        raise TrafficInputError(f"not Prometheus text: {exc}") from exc
+    except (ValueError, TypeError, KeyError, IndexError) as exc:
+        raise TrafficInputError(f"not Prometheus text: {str(exc)[:200]}") from None
 
 
-def outcomes(router_texts: list[str], url: str) -> tuple[float, float]:
-    """(successes, failures) the routers counted for worker `url` (summed over routers)."""
+def _same_worker(label: Any, url: str) -> bool:
+    """The routers' worker label names `url` in any spelling (case, default port, trailing '/')."""
+    try:
+        return normal_url(label) == normal_url(url)
+    except InputError:
+        return False
+
+
+def outcomes(router_texts: list[str], url: str) -> tuple[float, float, bool]:
+    """(successes, failures, any series at all) the routers counted for worker `url` (summed over
+    routers and over the spellings of its URL). A value that is not finite stays in the sums: the
+    caller refuses it."""
     ok = bad = 0.0
+    seen = False
     for text in router_texts:
         for name, labels, value in _samples(text):
-            if name == OUTCOMES and labels.get("worker") == url:
+            if name == OUTCOMES and _same_worker(labels.get("worker"), url):
+                seen = True
                 if labels.get("outcome") == "success":
                     ok += value
                 else:
                     bad += value
-    return ok, bad
+    return ok, bad, seen
 
 
 def latency(text: str) -> tuple[float, float, dict[float, float]]:
     """(count, sum, cumulative buckets by upper bound) of the engine's e2e latency histogram, summed over
-    label sets (SGLang adds some per model, per rank)."""
+    label sets (SGLang adds some per model, per rank). A bucket whose bound or count is not a number
+    (NaN, +Inf counts, words) is TrafficInputError; a count or sum that is not finite stays in for the
+    caller to refuse."""
     count = total = 0.0
     buckets: dict[float, float] = {}
     for name, labels, value in _samples(text):
@@ -88,7 +113,12 @@ def latency(text: str) -> tuple[float, float, dict[float, float]]:
         elif name == LATENCY + "_sum":
             total += value
         elif name == LATENCY + "_bucket":
-            le = float(labels["le"])
+            try:
+                le = float(labels["le"])
+            except (KeyError, ValueError):
+                raise TrafficInputError(f"{LATENCY} has a bucket without a numeric le: {labels}") from None
+            if math.isnan(le) or not math.isfinite(value):
+                raise TrafficInputError(f"{LATENCY} bucket le={labels['le']} holds {value!r}: not a count")
             buckets[le] = buckets.get(le, 0.0) + value
     return count, total, buckets
 
@@ -110,13 +140,46 @@ def quantile(q: float, buckets: dict[float, float]) -> float | None:
     return lower
 
 
+def _evidence(
+    url: str, before: dict[str, float], after: dict[str, float], seen: bool, has_latency: bool
+) -> list[str]:
+    """Why the counters of `url` over the window cannot be judged (empty when they can)."""
+    why = []
+    for name in after:
+        if not (math.isfinite(before[name]) and math.isfinite(after[name])):
+            why.append(f"{url}: {name} is not a finite number ({before[name]!r} -> {after[name]!r})")
+        elif after[name] < before[name]:
+            why.append(f"{url}: {name} went down ({before[name]:g} -> {after[name]:g}): did it restart?")
+    if not seen:
+        why.append(
+            f"{url}: the routers recorded no outcome for it (no {OUTCOMES} series under any spelling "
+            "of its URL): its failures cannot be counted"
+        )
+    if not has_latency:
+        why.append(f"{url}: its engine reports no {LATENCY} histogram")
+    return why
+
+
 def side(url: str, routers: tuple[list[str], list[str]], engine: tuple[str, str]) -> Side:
-    ok0, bad0 = outcomes(routers[0], url)
-    ok1, bad1 = outcomes(routers[1], url)
+    ok0, bad0, _ = outcomes(routers[0], url)
+    ok1, bad1, seen = outcomes(routers[1], url)
     c0, s0, b0 = latency(engine[0])
     c1, s1, b1 = latency(engine[1])
-    if c1 < c0:
-        raise TrafficInputError(f"{url}: its request count went down ({c0:g} -> {c1:g}): did it restart?")
+    before = {"successes": ok0, "failures": bad0, "request count": c0, "latency sum": s0}
+    after = {"successes": ok1, "failures": bad1, "request count": c1, "latency sum": s1}
+    for le in sorted(set(b0) | set(b1)):
+        before[f"bucket le={le:g}"], after[f"bucket le={le:g}"] = b0.get(le, 0.0), b1.get(le, 0.0)
+    evidence = _evidence(url, before, after, seen, bool(b1))
+    if evidence:
+        return Side(
+            url=url,
+            requests=0,
+            successes=0,
+            failures=0,
+            latency_mean_s=None,
+            latency_p50_s=None,
+            evidence=tuple(evidence),
+        )
     window = {le: b1.get(le, 0.0) - b0.get(le, 0.0) for le in b1}
     requests = round(c1 - c0)
     return Side(
@@ -129,7 +192,7 @@ def side(url: str, routers: tuple[list[str], list[str]], engine: tuple[str, str]
     )
 
 
-def judge(live: Side, shadow: Side, t: Thresholds, window_s: float | None = None) -> dict[str, Any]:
+def _figure_reasons(live: Side, shadow: Side, t: Thresholds) -> list[str]:
     reasons = []
     if shadow.requests < t.min_requests:
         reasons.append(
@@ -151,6 +214,13 @@ def judge(live: Side, shadow: Side, t: Thresholds, window_s: float | None = None
                 f"({t.max_latency_ratio:g} x live's {live.latency_mean_s:.3f} s + "
                 f"{t.latency_slack_s:g} s)"
             )
+    return reasons
+
+
+def judge(live: Side, shadow: Side, t: Thresholds, window_s: float | None = None) -> dict[str, Any]:
+    # Counters that cannot be read are the whole answer: the figures from them would be made up.
+    reasons = [f"evidence that cannot be judged: {why}" for why in (*live.evidence, *shadow.evidence)]
+    reasons = reasons or _figure_reasons(live, shadow, t)
     verdict = "abort" if reasons else "promote"
     table = [
         f"{'':8}{'requests':>9}{'failed':>8}{'error rate':>12}{'mean s':>9}{'p50 s':>8}",
@@ -192,15 +262,23 @@ def run(doc: dict[str, Any]) -> dict[str, Any]:
         thresholds = Thresholds(**(doc.get("thresholds") or {}))
     except (KeyError, TypeError) as exc:
         raise TrafficInputError(f"missing or malformed field: {exc}") from exc
-    return judge(live, shadow, thresholds, doc.get("window_s"))
+    for name, value in asdict(thresholds).items():
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+            raise TrafficInputError(f"threshold {name} must be a finite number >= 0: got {value!r}")
+    window_s = doc.get("window_s")
+    if window_s is not None and (
+        isinstance(window_s, bool) or not isinstance(window_s, int | float) or not 0 <= window_s < math.inf
+    ):
+        raise TrafficInputError(f"window_s must be a finite number of seconds: got {window_s!r:.80}")
+    return judge(live, shadow, thresholds, window_s)
 
 
 def main() -> int:
     try:
         try:
             doc = json.load(sys.stdin)
-        except ValueError as exc:
-            raise TrafficInputError(f"stdin is not JSON: {exc}") from exc
+        except (ValueError, RecursionError) as exc:
+            raise TrafficInputError(f"stdin is not JSON: {str(exc)[:200]}") from None
         report = run(doc)
     except TrafficInputError as exc:
         print(

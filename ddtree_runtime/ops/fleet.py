@@ -382,32 +382,44 @@ def router_script(port: int, key: str) -> str:
     return text.replace(marker, f"CONFIG: dict = {json.dumps({'port': port, 'key': key})}", 1)
 
 
-def router_workers(router: RouterTarget) -> dict[str, Any]:
-    """The router's GET /workers answer (over SSH, on its own loopback), or {"error": why}."""
+def router_workers(router: RouterTarget) -> Any:
+    """The router's GET /workers answer (over SSH, on its own loopback), or {"error": why}. Any JSON
+    value may come back: rotation_states checks it."""
     script = router_script(router.port, router.key)
     try:
         _rc, out, err = run_remote(router.target, "python3 -", script)
         return json.loads(out)
-    except ValueError:
+    except (ValueError, RecursionError):
         return {"error": f"router script failed: {(err or out).strip().splitlines()[-1:] or ['no output']}"}
     except Exception as exc:
         return {"error": _why_unreachable(router.target, exc)}
 
 
 def rotation_states(routers: list[RouterTarget]) -> dict[str, list[str]]:
-    """host -> 'ROUTER: in | out | in (unhealthy) | ? (why)' per router it is configured behind."""
+    """host -> 'ROUTER: in | out | in (unhealthy) | ? (why)' per router it is configured behind. An
+    answer that is not a worker list of checked entries ([], 5, workers that are not objects) is that
+    router's '?' with the reason, never a crash."""
+    from ddtree_runtime.inputs.deploy_inputs import InputError
     from ddtree_runtime.ops.rotation import Member, RouterView, host_states
 
     states: dict[str, list[str]] = {}
     for router in routers:
         answer = router_workers(router)
-        if "error" in answer or not isinstance(answer.get("workers"), list):
-            why = answer.get("error", "no worker list")
+        why = None
+        if isinstance(answer, dict) and "error" in answer:
+            why = _as(str, answer["error"]) or "error"
+        elif not isinstance(answer, dict) or not isinstance(answer.get("workers"), list):
+            why = f"malformed answer: {json.dumps(answer)[:60]} is not a worker list"
+        else:
+            try:
+                view = RouterView(router.target.name, tuple(Member(h, a) for h, a in router.members),
+                                  tuple(answer["workers"]))
+            except InputError as exc:
+                why = f"malformed answer: {str(exc)[:160]}"
+        if why is not None:
             for host, _ in router.members:
                 states.setdefault(host, []).append(f"{router.target.name}: ? ({why})")
             continue
-        view = RouterView(router.target.name, tuple(Member(h, a) for h, a in router.members),
-                          tuple(answer["workers"]))
         for host, cells in host_states([view]).items():
             states.setdefault(host, []).extend(cells)
     return states

@@ -6,20 +6,31 @@ host that serves through a router is never taken out when no other worker of tha
 healthy (unless it is the router's only configured worker: then the answer says what downtime to expect).
 `ddtree fleet status` uses `host_states` for its ROTATION column.
 
-Run by the plays on the controller as `python -m ddtree_runtime.ops.rotation leave|join` with one JSON
-document on stdin; prints one JSON document. Exit 0: go on; 1: refused (the reason says why and what to
-do); 2: bad input.
+What a router says is checked before anything is decided on it (deploy_inputs.router_workers): ids
+before they go into a path, health a JSON boolean, URLs in one spelling (scheme and host case, default
+port, trailing '/'), credentials refused; only http(s) workers whose host is an IP address count as
+serving capacity (a DNS name may be this very host). An answer that cannot be read is exit 2: no change.
+
+Run by the plays on the controller as `python -m ddtree_runtime.ops.rotation leave|join|remove` with one
+JSON document on stdin; prints one JSON document. Exit 0: go on; 1: refused (the reason says why and what
+to do); 2: bad input (the reason names the router, the entry and the rule).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import math
 import sys
 import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
+from ddtree_runtime.inputs.deploy_inputs import InputError, as_bool, as_int, one_line, router_workers
+from ddtree_runtime.inputs.deploy_inputs import worker_url as normal_url
+
 EXIT_GO, EXIT_REFUSED, EXIT_BAD_INPUT = 0, 1, 2
+MAX_STDIN = 16 * 1024 * 1024
 
 
 class RotationInputError(ValueError):
@@ -36,22 +47,53 @@ class Member:
 
 @dataclass(frozen=True)
 class RouterView:
-    """One router: its inventory name, the workers the inventory gives it, what it routes to now."""
+    """One router: its inventory name, the workers the inventory gives it, what it routes to now.
+
+    `workers` is the router's GET /workers answer (its object, its list, or entries): checked here,
+    kept as {id, url, is_healthy} with the URL in one spelling; InputError when it cannot be read."""
 
     name: str
     members: tuple[Member, ...]
-    workers: tuple[dict[str, Any], ...]  # GET /workers entries: id, url, is_healthy, ...
+    workers: tuple[dict[str, Any], ...]
+
+    def __post_init__(self) -> None:
+        answer = list(self.workers) if isinstance(self.workers, tuple) else self.workers
+        object.__setattr__(self, "workers", tuple(router_workers(answer, self.name)))
+        object.__setattr__(
+            self, "members", tuple(Member(m.host, address_key(m.address)) for m in self.members)
+        )
 
     def entries_of(self, urls: set[str]) -> list[dict[str, Any]]:
-        return [w for w in self.workers if w.get("url") in urls]
+        wanted = {normal_url(u) for u in urls}
+        return [w for w in self.workers if w["url"] in wanted]
 
     def entries_at(self, address: str) -> list[dict[str, Any]]:
-        return [w for w in self.workers if url_address(str(w.get("url", ""))) == address]
+        return [w for w in self.workers if url_address(w["url"]) == address_key(address)]
+
+
+def address_key(address: str) -> str:
+    """An IP address in one spelling (compressed, lower case); another string as it is."""
+    try:
+        return ipaddress.ip_address(address.strip("[]")).compressed
+    except ValueError:
+        return address
 
 
 def url_address(url: str) -> str:
     """The host part of a worker URL (no brackets around an IPv6 address)."""
-    return urllib.parse.urlsplit(url).hostname or ""
+    return address_key(urllib.parse.urlsplit(url).hostname or "")
+
+
+def serves(worker: dict[str, Any]) -> bool:
+    """Healthy capacity the rotation may count on: the router says healthy (a JSON true) and the host is
+    an IP address, so it can be told apart from the leaving host (a DNS name may be that very host)."""
+    if worker["is_healthy"] is not True:
+        return False
+    try:
+        ipaddress.ip_address(url_address(worker["url"]))
+    except ValueError:
+        return False
+    return True
 
 
 def worker_url(address: str, port: int) -> str:
@@ -65,7 +107,7 @@ def _member_state(router: RouterView, member: Member, batch: set[str]) -> str:
         return "in this batch"
     if not entries:
         return "not in rotation"
-    return "in rotation" if any(w.get("is_healthy") for w in entries) else "in rotation but UNHEALTHY"
+    return "in rotation" if any(w["is_healthy"] for w in entries) else "in rotation but UNHEALTHY"
 
 
 def plan_leave(
@@ -79,17 +121,17 @@ def plan_leave(
 ) -> dict[str, Any]:
     """What to remove from which router before `host` restarts, or why not (ok False)."""
     removals, refusals, warnings = [], [], []
+    urls = {str(normal_url(u)) for u in urls}
+    batch_addresses = {address_key(a) for a in batch_addresses}
     for router in routers:
         mine = router.entries_of(urls)
         removals += [{"router": router.name, "id": w["id"], "url": w["url"]} for w in mine]
-        if not any(w.get("is_healthy") for w in mine):
+        if not any(w["is_healthy"] for w in mine):
             continue  # it serves nothing through this router now: nobody loses it
         others = [
             w
             for w in router.workers
-            if w.get("url") not in urls
-            and w.get("is_healthy")
-            and url_address(str(w.get("url", ""))) not in batch_addresses
+            if w["url"] not in urls and serves(w) and url_address(w["url"]) not in batch_addresses
         ]
         if others:
             continue
@@ -123,13 +165,21 @@ def plan_leave(
 
 
 def plan_join(url: str, routers: list[RouterView]) -> dict[str, Any]:
-    """Which routers must add `url` (the others list it already)."""
+    """Which routers must add `url` (the others list it already, in any spelling of it)."""
     additions = [r.name for r in routers if not r.entries_of({url})]
     return {
         "ok": True,
         "additions": additions,
         "already": [r.name for r in routers if r.name not in additions],
     }
+
+
+def plan_remove(url: str, routers: list[RouterView]) -> dict[str, Any]:
+    """Which entries to DELETE so that no router lists `url` (a canary's shadow): checked ids only."""
+    removals = [
+        {"router": r.name, "id": w["id"], "url": w["url"]} for r in routers for w in r.entries_of({url})
+    ]
+    return {"ok": True, "removals": removals}
 
 
 def host_states(routers: list[RouterView]) -> dict[str, list[str]]:
@@ -140,7 +190,7 @@ def host_states(routers: list[RouterView]) -> dict[str, list[str]]:
             entries = router.entries_at(member.address)
             if not entries:
                 state = "out"
-            elif any(w.get("is_healthy") for w in entries):
+            elif any(w["is_healthy"] for w in entries):
                 state = "in"
             else:
                 state = "in (unhealthy)"
@@ -153,54 +203,77 @@ def host_states(routers: list[RouterView]) -> dict[str, list[str]]:
 
 def _routers(doc: dict[str, Any]) -> list[RouterView]:
     routers = doc.get("routers")
-    if not isinstance(routers, list):
+    if not isinstance(routers, list) or len(routers) > 256:
         raise RotationInputError("'routers' must be a list of {name, members, workers}")
     views = []
     for r in routers:
-        if not isinstance(r, dict) or not isinstance(r.get("name"), str):
-            raise RotationInputError(f"each router needs a 'name': got {r!r:.200}")
-        listing = r.get("workers")
-        if isinstance(listing, dict):  # the router's own answer: {"workers": [...], "total": N, ...}
-            listing = listing.get("workers")
-        if not isinstance(listing, list) or not all(isinstance(w, dict) and "url" in w for w in listing):
-            raise RotationInputError(f"router {r['name']}: 'workers' must be its GET /workers answer")
+        name = r.get("name") if isinstance(r, dict) else None
+        if not isinstance(name, str) or not name or one_line("name", name, limit=255):
+            raise RotationInputError(f"each router needs a one-line 'name': got {r!r:.200}")
         members = r.get("members") or []
-        if not all(isinstance(m, dict) and {"host", "address"} <= set(m) for m in members):
-            raise RotationInputError(f"router {r['name']}: 'members' must be [{{host, address}}]")
-        views.append(
-            RouterView(
-                r["name"], tuple(Member(str(m["host"]), str(m["address"])) for m in members), tuple(listing)
+        if not isinstance(members, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("host"), str) and isinstance(m.get("address"), str)
+            for m in members
+        ):
+            raise RotationInputError(f"router {r['name']}: 'members' must be [{{host, address}}] strings")
+        try:
+            views.append(
+                RouterView(
+                    r["name"], tuple(Member(m["host"], m["address"]) for m in members), r.get("workers")
+                )
             )
-        )
+        except InputError as exc:
+            raise RotationInputError(f"{exc}; nothing was decided on it") from None
     return views
 
 
 def _strings(doc: dict[str, Any], key: str) -> set[str]:
     value = doc.get(key, [])
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+    if not isinstance(value, list) or len(value) > 256 or not all(isinstance(v, str) for v in value):
         raise RotationInputError(f"'{key}' must be a list of strings")
     return set(value)
+
+
+def _url(name: str, value: Any) -> str:
+    """One of the plays' own worker URLs: an http(s) URL, in worker_url's spelling."""
+    try:
+        url = normal_url(value, name)
+    except InputError as exc:
+        raise RotationInputError(str(exc)) from None
+    if url is None:
+        raise RotationInputError(f"'{name}' must be an http(s) worker URL: got {value!r:.200}")
+    return url
 
 
 def run(action: str, doc: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     if not isinstance(doc, dict):
         raise RotationInputError("stdin must hold one JSON object")
+    if action not in ("leave", "join", "remove"):
+        raise RotationInputError(f"unknown action {action!r}: leave, join or remove")
     routers = _routers(doc)
     if action == "leave":
+        host, bound = doc.get("host"), doc.get("restart_bound_s", 0)
+        allow = as_bool(doc.get("allow_single_host", True))
+        if not isinstance(host, str) or not host or one_line("host", host, limit=255):
+            raise RotationInputError(f"'host' must be the inventory name: got {host!r:.200}")
+        if allow is None:
+            shown = repr(doc.get("allow_single_host"))[:80]
+            raise RotationInputError(f"'allow_single_host' must be a boolean: got {shown}")
+        seconds = as_int(bound) if isinstance(bound, str) else bound  # templated: maybe its digits
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 <= seconds < math.inf:
+            raise RotationInputError(f"'restart_bound_s' must be a number of seconds: got {bound!r:.80}")
         answer = plan_leave(
-            str(doc.get("host")),
-            _strings(doc, "urls"),
+            host,
+            {_url("urls", u) for u in _strings(doc, "urls")},
             _strings(doc, "batch_addresses"),
             routers,
-            allow_single_host=bool(doc.get("allow_single_host", True)),
-            restart_bound_s=float(doc.get("restart_bound_s", 0)),
+            allow_single_host=allow,
+            restart_bound_s=float(seconds),
         )
     elif action == "join":
-        if not isinstance(doc.get("url"), str):
-            raise RotationInputError("'url' must be the worker URL to add")
-        answer = plan_join(doc["url"], routers)
+        answer = plan_join(_url("url", doc.get("url")), routers)
     else:
-        raise RotationInputError(f"unknown action {action!r}: leave or join")
+        answer = plan_remove(_url("url", doc.get("url")), routers)
     return (EXIT_GO if answer["ok"] else EXIT_REFUSED), answer
 
 
@@ -208,11 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     try:
         if len(args) != 1:
-            raise RotationInputError("usage: python -m ddtree_runtime.ops.rotation leave|join < doc.json")
+            raise RotationInputError("usage: python -m ddtree_runtime.ops.rotation leave|join|remove < doc")
         try:
-            doc = json.load(sys.stdin)
-        except ValueError as exc:
-            raise RotationInputError(f"stdin is not JSON: {exc}") from exc
+            doc = json.loads(sys.stdin.read(MAX_STDIN + 1)[: MAX_STDIN + 1] or "null")
+        except (ValueError, RecursionError) as exc:
+            raise RotationInputError(f"stdin is not JSON: {str(exc)[:200]}") from None
         code, answer = run(args[0], doc)
     except RotationInputError as exc:
         print(json.dumps({"ok": False, "reason": f"bad input: {exc}"}))

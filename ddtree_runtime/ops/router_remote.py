@@ -24,8 +24,8 @@ def main() -> None:
             doc = json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         doc = {"error": f"HTTP {exc.code}" + (" (the control key?)" if exc.code in (401, 403) else "")}
-    except (OSError, ValueError) as exc:
-        doc = {"error": f"no answer ({exc})"}
+    except (OSError, ValueError, RecursionError) as exc:  # a body nested too deep is no answer either
+        doc = {"error": f"no answer ({str(exc)[:200]})"}
     json.dump(doc, sys.stdout)
 
 

@@ -30,8 +30,12 @@ LIVE_FILES = (
     "/etc/sglang/sglang-qwen.env",
     "/var/lib/ddtree/state/sglang-qwen.json",
 )
-# The comparison's latency check has its own tests; two lab servers share a loaded CI CPU here.
-COMMON = ["-e", "sglang_canary_rounds=2", "-e", "sglang_canary_max_latency_ratio=4"]
+# The comparison's latency check has its own tests; two lab servers share a loaded CI CPU here. How much
+# less the shadow-small budget (8) accepts than live's (16) is what the trained tiny pair happens to learn
+# (equal on one machine, near the default 0.8 on another): the floor here is what is certain (a step
+# emits 1 to 17 tokens); tests/unit/test_canary.py holds the ratio's arithmetic on a pair made to agree.
+COMMON = ["-e", "sglang_canary_rounds=2", "-e", "sglang_canary_max_latency_ratio=4",
+          "-e", "sglang_canary_min_accept_ratio=0.05"]
 
 
 def _json(lab: LabHandle, host: str, path: str) -> dict | None:

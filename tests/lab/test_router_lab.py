@@ -163,7 +163,10 @@ def test_profile_switch_moves_the_worker_to_its_new_port(fleet: Fleet):
 
 def test_canary_promotion_gives_the_shadow_real_traffic_then_promotes(fleet: Fleet):
     # Two lab servers share a loaded CI CPU: the latency check has its own tests (test_canary_lab.py).
+    # The acceptance ratio of a smaller shadow budget on the trained tiny pair is luck: the certain floor
+    # (tests/lab/test_canary_lab.py says why).
     thresholds = ["-e", "sglang_canary_rounds=2", "-e", "sglang_canary_max_latency_ratio=4",
+                  "-e", "sglang_canary_min_accept_ratio=0.05",
                   "-e", "sglang_canary_traffic_requests=10", "-e", "sglang_canary_traffic_s=60"]  # fmt: skip
     line = fleet.measure("canary + promotion ct129", "ansible/canary.yml", "-l", "ct129", *_env("canary"),
                          *thresholds)  # fmt: skip

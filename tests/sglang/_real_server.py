@@ -23,6 +23,8 @@ from typing import Any
 
 import yaml
 
+from ddtree_runtime.tiny_engine.ports import lease_ports
+
 REPO = Path(__file__).resolve().parents[2]
 READY_LINE = "The server is fired up and ready to roll!"
 PROFILES = REPO / "roles/sglang_service/vars/profiles.yml"
@@ -56,14 +58,6 @@ def cpu_env() -> dict[str, str]:
     return {k: str(v) for k, v in host_vars()["sglang_service_engine_env"].items()}
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class RealServer:
     """``python -m sglang.launch_server`` with the lab's CPU layer; its log in a file."""
 
@@ -77,7 +71,10 @@ class RealServer:
         extra: list[str] | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
-        self.port = free_port()
+        # Every port the server binds, held until stop(): its HTTP port and torch.distributed's
+        # (--nccl-port, which SGLang would otherwise draw itself, free only until another draws it).
+        self.lease = lease_ports(2)
+        self.port, self.nccl_port = self.lease.ports
         self.url = f"http://127.0.0.1:{self.port}"
         spec = [] if draft is None else [
             "--speculative-algorithm", "DDTREE", "--speculative-draft-model-path", str(draft)
@@ -86,6 +83,7 @@ class RealServer:
             sys.executable, "-m", "sglang.launch_server", "--model-path", str(target), *spec,
             *profile_argv(profile, speculative=draft is not None), *cpu_argv(), *(extra or []),
             "--enable-metrics", "--host", "127.0.0.1", "--port", str(self.port),
+            "--nccl-port", str(self.nccl_port),
         ]  # fmt: skip
         self.log_path = log_dir / f"sglang-{self.port}.log"
         child_env = {k: v for k, v in os.environ.items() if not k.startswith(("DDTREE_", "SGLANG_"))}
@@ -138,6 +136,7 @@ class RealServer:
             with contextlib.suppress(psutil.NoSuchProcess):
                 child.kill()
         psutil.wait_procs(children, timeout=10)
+        self.lease.release()
 
     # --- HTTP ----------------------------------------------------------------------------------
     def request(self, path: str, payload: Any = None, *, timeout: float = 300) -> tuple[int, Any]:

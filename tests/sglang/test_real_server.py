@@ -173,7 +173,8 @@ def test_live_probe_passes_with_the_handshake(ddtree):
     # runs DFlash's extend path, which returns SGLang's input logprobs; a decode with them would not).
     checked = probe.figures["lossless"]
     assert (checked["status"], checked["mismatches"]) == ("passed", 0), checked
-    assert checked["tokens_checked"] == probe.figures["completion_tokens"] > 0
+    # every answer twice: one at a time, then all prompts at once (a batch), each checked on its own
+    assert checked["tokens_checked"] == 2 * probe.figures["completion_tokens"] > 0 and not checked["errors"]
     assert ddtree.request("/health")[0] == 200  # the check request left the scheduler serving
     report(
         "live_probe",

@@ -7,7 +7,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ from functools import cache
 from pathlib import Path
 
 import ddtree_runtime.tiny_engine as lab_pkg
+from ddtree_runtime.tiny_engine.ports import PortLease, lease_ports
 
 _SOURCES = ("make.py", "models.py", "gdn.py", "language.py", "tokenizer.py", "hf_tokenizer.py")
 
@@ -60,6 +60,20 @@ def contrary_drafter(models: Path, out: Path) -> Path:
     return out
 
 
+def first_round_emits(engine, states: list[list[int]]) -> list[int]:
+    """Tokens each state's first verify round emits (accepted drafts + the bonus token), as one batch.
+
+    Acceptance compared over whole generations is luck: engines whose rounds end at other tokens go on
+    from other states. From one state, what each engine's tree can accept is fixed by construction
+    (a budget-64 tree holds the budget-16 tree; every tree holds the chain's first draft).
+    """
+    from ddtree_runtime.tiny_engine.engine import SamplingParams
+
+    # max_new_tokens 2: the prefill's token, then exactly one verify round (never cut by EOS).
+    res = engine.generate(states, [SamplingParams(max_new_tokens=2, ignore_eos=True)] * len(states))
+    return [r.accept_lengths[0] for r in res]
+
+
 @contextmanager
 def one_thread() -> Iterator[None]:
     """The lab models are tiny: one torch thread is faster, and on a shared CPU much faster."""
@@ -73,17 +87,23 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+# Ports handed out by free_port(), held until this process ends (ddtree_runtime.tiny_engine.ports).
+_HELD: list[PortLease] = []
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a server this test starts: free now and held against every other lease of this
+    host's test processes until this one ends (a bind(0) port is free only until someone binds it)."""
+    _HELD.append(lease_ports(1))
+    return _HELD[-1].ports[0]
 
 
 class LabServerProcess:
     """`ddtree lab serve ...` as a child process, its log in a file."""
 
     def __init__(self, args: list[str], *, env: dict[str, str] | None = None, tmp: Path) -> None:
-        self.port = free_port()
+        self.lease = lease_ports(1)  # held until stop(): servers started side by side never share one
+        self.port = self.lease.ports[0]
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = tmp / f"serve-{self.port}.log"
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("DDTREE_LAB_")}
@@ -125,6 +145,7 @@ class LabServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.lease.release()
 
 
 def http(url: str, payload: dict | bytes | None = None, *, timeout: float = 60) -> tuple[int, bytes]:

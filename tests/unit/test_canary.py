@@ -1,57 +1,60 @@
 """`ddtree canary compare` against real lab-engine servers on loopback (`ddtree lab serve`).
 
-Four servers on the lab models: live (DDTree budget 16), a shadow as the shadow profiles run it
-(budget 8), a shadow on a changed target (other T=0 tokens), and a plain server without speculative
-decoding and a short context. The thresholds' arithmetic is checked on hand-made figures too.
+Four servers on a pair made to agree (`tests/sglang/_agreeing_pair.py`: the target always continues
+with one word, the drafter proposes it at every depth), so every figure the checks compare is known
+before the run instead of resting on what the trained lab models happen to accept: live (DDTree budget
+16: the whole depth of 15 drafts a round), a shadow with a smaller budget (12: 12 drafts a round), a
+shadow whose pair agrees on another word (other T=0 tokens from the first one), and a plain server
+without speculative decoding and a short context. The thresholds' arithmetic is checked on hand-made
+figures too.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
+import math
 import subprocess
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from ddtree_runtime.health import canary
 from ddtree_runtime.health.canary import Answer, CanaryInputError, Side, SideUnavailable, Thresholds
+from tests.sglang._agreeing_pair import write_agreeing_pair
 from tests.unit._lab import LabServerProcess, free_port, lab_models
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+LIVE_BUDGET, SHADOW_BUDGET = 16, 12
+DEPTH = 15  # the lab drafter's block of 16 holds 15 drafts after the root
+
+
+def accept_length(new_tokens: int, budget: int) -> float:
+    """What the agreeing pair must report: the prefill emits the first token, then each verify step
+    accepts the tree's whole chain (min(budget, depth) drafts) plus the bonus token."""
+    steps = math.ceil((new_tokens - 1) / (min(budget, DEPTH) + 1))
+    return new_tokens / steps
 
 
 # ---------------------------------------------------------------------------- fixtures
 
 
-def _changed_target(models: Path, out: Path) -> Path:
-    """The lab target with its weight matrices perturbed: another model, other greedy tokens."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(models / "target", out)
-    tensors = load_file(out / "model.safetensors")
-    gen = torch.Generator().manual_seed(7)
-    for name, t in tensors.items():
-        if t.is_floating_point() and t.dim() == 2:
-            noise = 0.5 * t.float().std() * torch.randn(t.shape, generator=gen)
-            tensors[name] = (t.float() + noise).to(t.dtype)
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    return out
-
-
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory) -> Iterator[dict[str, str]]:
-    models = lab_models()
-    changed = _changed_target(models, tmp_path_factory.mktemp("changed") / "target")
-    draft = ["--speculative-draft-model-path", str(models / "draft")]
+    from ddtree_runtime.tiny_engine.tokenizer import LabTokenizer
+
+    words = LabTokenizer().token_id(" cat"), LabTokenizer().token_id(" dog")
+    root = tmp_path_factory.mktemp("pairs")
+    target, draft = write_agreeing_pair(lab_models(), root / "cat", words[0])
+    changed, changed_draft = write_agreeing_pair(lab_models(), root / "dog", words[1])
     spec = {
-        "live": [str(models / "target"), "DDTREE", *draft, "--speculative-ddtree-budget", "16"],
-        "shadow": [str(models / "target"), "DDTREE", *draft, "--speculative-ddtree-budget", "8"],
-        "changed": [str(changed), "DDTREE", *draft, "--speculative-ddtree-budget", "16"],
-        "plain": [str(models / "target"), "NONE", "--context-length", "48"],
+        "live": [str(target), "DDTREE", "--speculative-draft-model-path", str(draft),
+                 "--speculative-ddtree-budget", str(LIVE_BUDGET)],
+        "shadow": [str(target), "DDTREE", "--speculative-draft-model-path", str(draft),
+                   "--speculative-ddtree-budget", str(SHADOW_BUDGET)],
+        "changed": [str(changed), "DDTREE", "--speculative-draft-model-path", str(changed_draft),
+                    "--speculative-ddtree-budget", str(LIVE_BUDGET)],
+        "plain": [str(target), "NONE", "--context-length", "48"],
     }
     logs = tmp_path_factory.mktemp("logs")
     procs = {}
@@ -85,20 +88,24 @@ def _check(report: canary.CanaryReport, name: str) -> canary.Check:
 
 
 def test_same_model_with_a_smaller_budget_promotes_with_both_sides_figures(servers):
-    report = _compare(servers, "shadow", live_release="rel-a", shadow_release="rel-b")
+    # 71 tokens: 5 verify steps of 16 on live, 6 of 13 on the shadow (ratio 5/6, above the default 0.8).
+    new = 71
+    report = _compare(servers, "shadow", max_new_tokens=new, live_release="rel-a", shadow_release="rel-b")
     assert report.ok and report.verdict == "promote" and report.exit_code == 0, report.reason
     assert [c.name for c in report.checks] == ["tokens", "accept_length", "latency"]
     assert report.tokens["equal"] and report.tokens["equal_prompts"] == len(PROMPTS)
-    for side, budget, release in (("live", 16, "rel-a"), ("shadow", 8, "rel-b")):
+    for side, budget, release in (("live", LIVE_BUDGET, "rel-a"), ("shadow", SHADOW_BUDGET, "rel-b")):
         figures = getattr(report, side)
         assert figures["requests"] == 2 * len(PROMPTS)
         assert figures["budget"] == budget and figures["release"] == release
-        assert figures["accept_length"] > 1.0 and figures["latency_median_s"] > 0
-        assert figures["completion_tokens"] == 2 * len(PROMPTS) * 16
-    # DDTree with half the budget accepts fewer tokens per step, but not below the default ratio.
+        assert figures["accept_length"] == pytest.approx(accept_length(new, budget), abs=1e-3)
+        assert figures["latency_median_s"] > 0
+        assert figures["completion_tokens"] == 2 * len(PROMPTS) * new
+    # The smaller budget accepts fewer tokens per step (certain: its tree holds fewer drafts), but not
+    # below the default ratio.
     assert 0.8 <= report.ratios["accept"] < 1.0
     assert report.ratios["accept"] == pytest.approx(
-        report.shadow["accept_length"] / report.live["accept_length"], abs=1e-3)
+        accept_length(new, SHADOW_BUDGET) / accept_length(new, LIVE_BUDGET), abs=1e-3)
     table = "\n".join(report.table())
     assert "canary PROMOTE" in table and str(report.live["accept_length"]) in table
     assert str(report.shadow["latency_median_s"]) in table
@@ -129,6 +136,9 @@ def test_acceptance_below_the_ratio_aborts(servers):
     report = _compare(servers, "shadow", thresholds=Thresholds(min_accept_ratio=1.0, max_latency_ratio=100.0))
     check = _check(report, "accept_length")
     assert not report.ok and not check.ok
+    # 16 tokens: one verify step on live, two on the shadow.
+    assert report.ratios["accept"] == pytest.approx(
+        accept_length(16, SHADOW_BUDGET) / accept_length(16, LIVE_BUDGET), abs=1e-3) == 0.5
     assert f"{report.shadow['accept_length']:.3f}" in check.detail and "minimum 1" in check.detail
 
 

@@ -32,6 +32,9 @@ LINES = {
     "but got None.",
     # the periodic probe's own journal (ddtree-probe@UNIT.service) when its lossless check fails
     "verify_not_lossless": "ddtree[812]: live probe: FAIL [verify_not_lossless] (exit 1)",
+    "lossless_check_error": "ddtree[812]: live probe: FAIL [lossless_check_error] (exit 1)",
+    "lossless_not_checked": "ddtree[812]: live probe: FAIL [lossless_not_checked] (exit 1)",
+    "wrong_token_count": "ddtree[812]: live probe: FAIL [wrong_token_count] (exit 1)",
     "port_in_use": "sglang[1]: OSError: [Errno 98] error while attempting to bind on address "
     "('0.0.0.0', 30000): address already in use",
     "plugin_not_registered": "sglang[1]: ValueError: Unknown speculative algorithm name: DDTREE",
@@ -128,7 +131,8 @@ def test_every_cause_has_a_runbook_section():
     assert set(CAUSES) <= sections, set(CAUSES) - sections
     for probe_cause in ("unreachable", "not_ready", "generation_failed", "empty_answer", "flags_mismatch",
                         "handshake_pending", "acceptance_low", "server_info_unavailable",
-                        "verify_not_lossless"):
+                        "verify_not_lossless", "lossless_check_error", "lossless_not_checked",
+                        "wrong_token_count"):
         assert f"| `{probe_cause}` |" in runbook
 
 

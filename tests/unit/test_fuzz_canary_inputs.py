@@ -109,7 +109,7 @@ def test_counts_that_contradict_the_ids_are_not_evidence(shadow, said):
 def test_live_compared_with_itself_under_two_spellings_is_refused():
     with HostileServer(routes(info("same-process"), answer())) as one:
         port = one.url.rsplit(":", 1)[1]
-        with pytest.raises(CanaryInputError, match=r"same server.*both report instance same-process"):
+        with pytest.raises(CanaryInputError, match=r"same server"):
             canary.compare(
                 f"http://127.0.0.1:{port}",
                 f"http://localhost:{port}",
@@ -118,6 +118,49 @@ def test_live_compared_with_itself_under_two_spellings_is_refused():
                 ready_timeout=5,
                 request_timeout=5,
             )
+
+
+@pytest.mark.parametrize("spelling", ["http://127.0.0.1:0{port}", "HTTP://127.0.0.1:{port}/",
+                                      "http://LocalHost:{port}", "http://[::ffff:127.0.0.1]:{port}",
+                                      "http://127.0.0.1:000{port}//"])
+def test_any_spelling_of_lives_address_is_refused_before_any_request(spelling):
+    """Without identity in /server_info (no instance id, no seed) only the address can tell: normalised
+    (scheme and host case, leading zeros, trailing slashes) and resolved, it is live's own."""
+    bare = {"version": "0.5.23", "speculative_algorithm": "DDTREE"}
+    with HostileServer(routes(bare, answer())) as one:
+        port = int(one.url.rsplit(":", 1)[1])
+        with pytest.raises(CanaryInputError, match=r"same server \((the same URL|both reach 127\.0\.0\.1)"):
+            canary.compare(one.url, spelling.format(port=port), prompts=["p"], rounds=1, ready_timeout=5,
+                           request_timeout=5)
+
+
+def test_default_ports_are_written_out():
+    assert canary._base("HTTP://Example.COM/", "--live") == "http://example.com:80"
+    assert canary._base("https://[::1]", "--live") == "https://[::1]:443"
+    assert canary.same_address(canary._base("http://127.0.0.1", "--live"),
+                               canary._base("http://127.0.0.1:080", "--shadow"))
+
+
+def test_two_addresses_that_report_one_instance_are_one_server():
+    """A proxy in front of live, or live twice: what the servers say about themselves decides."""
+    with pytest.raises(CanaryInputError, match=r"same server.*both report instance same-process"):
+        run(routes(info("same-process"), answer()), routes(info("same-process", 30001), answer()))
+
+
+def test_servers_that_cannot_be_told_apart_abort():
+    bare = {"version": "0.5.23", "speculative_algorithm": "DDTREE", "port": 30000}
+    report = run(routes(bare, answer()), routes(info("b", 30001), answer()))
+    assert report.verdict == "abort" and report.exit_code == 1 and "tell the servers apart" in report.reason
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:99999", "http://127.0.0.1:-1", "http://127.0.0.1:abc",
+                                 "http://[::1", "http://"])
+def test_a_bad_url_is_one_line_exit_2(url):
+    res = subprocess.run([sys.executable, "-m", "ddtree_runtime", "canary", "compare", "--live", url,
+                          "--shadow", "http://127.0.0.1:30001"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stdout + res.stderr
+    assert res.stdout.count("\n") == 1 and res.stdout.startswith("canary ABORT: --live"), res.stdout
+    assert "not a valid URL" in res.stdout or "not an http(s) URL" in res.stdout, res.stdout
 
 
 def test_without_instance_ids_port_and_seed_tell_servers_apart():

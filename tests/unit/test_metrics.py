@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ddtree_runtime.health import metrics
 from ddtree_runtime.health.probe import live_probe, write_report
+from tests.unit._lab import free_port
 from tests.unit.fake_sglang import FakeSGLang, Scenario
 
 
@@ -36,7 +36,8 @@ def host(tmp_path: Path) -> Path:
         {"profile": "balanced", "release": "r-3f2a9c", "deployed_at": "2026-11-29T10:00:00+00:00",
          "previous_release": "r-11aa00"}))
     with FakeSGLang(Scenario(completion_tokens=30, spec_verify_ct=10)) as srv:
-        report = live_probe(srv.url, timeout=5, poll_s=0.05, min_accept_length=2)
+        report = live_probe(srv.url, timeout=5, poll_s=0.05, min_accept_length=2, max_new_tokens=30,
+                            allow_lossless_unchecked=True)
     report.figures["probe_seconds"] = 1.25
     write_report(report, str(root / "probe" / "sglang-qwen.json"))
     metrics.record_rollout(str(root), "sglang-qwen.service", "rolled_back", release="r-4",
@@ -91,6 +92,24 @@ def test_a_probe_that_found_the_verify_not_lossless_exposes_the_counts(host: Pat
     assert s[("ddtree_probe_lossless_near_ties", (u,))] == 1.0
 
 
+def test_a_check_that_could_not_run_is_not_counted_as_checked(host: Path):
+    from ddtree_runtime.health import lossless
+    from ddtree_runtime.health.probe import Report, _check_lossless
+    from tests.unit._lossless_answers import PROMPT, answer
+
+    gens = [lossless.Generation(PROMPT, [5]), lossless.Generation([3], [4])]
+    good = answer(gens[0], [[(-0.1, 5), (-2.0, 1)]])
+    report = Report("live")
+    _check_lossless(report, lossless.compare_answers(gens, [good, {"text": "x"}]))
+    write_report(report, str(host / "probe" / "sglang-qwen.json"))
+    s = _samples(metrics.generate_latest(metrics.build_registry(str(host), systemd=False)).decode())
+    u = ("unit", "sglang-qwen")
+    assert s[("ddtree_probe_failure_info", (("cause", "lossless_check_error"), ("probe", "live"), u))] == 1.0
+    assert s[("ddtree_probe_lossless_checked", (u,))] == 0.0
+    assert s[("ddtree_probe_lossless_errors", (u,))] == 1.0
+    assert s[("ddtree_probe_lossless_mismatches", (u,))] == 0
+
+
 def test_failed_probe_exposes_its_cause(host: Path):
     sc = Scenario()
     sc.server_info["ddtree_handshake"].update(status="mismatch", observed_hidden_width=5120)
@@ -142,9 +161,7 @@ def test_cli_textfile_is_written_atomically_and_parses(host: Path, tmp_path: Pat
 
 
 def test_exporter_is_scraped_over_http(host: Path):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # held until this process ends: no other test's server can take it meanwhile
     proc = subprocess.Popen([sys.executable, "-m", "ddtree_runtime", "metrics", "serve", "--listen",
                              f"127.0.0.1:{port}", "--state-dir", str(host), "--no-systemd"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -40,3 +40,8 @@ def test_units_use_the_settled_release_and_the_exporter_port():
     assert ("--write-report {{ ddtree_exporter_state_dir | ddtree_unit_value('ddtree_exporter_state_dir') }}"
             "/probe/%i.json") in probe
     assert "SuccessExitStatus=1 3" in probe  # a failing probe is a result, not a unit failure
+    # Fails closed like the rollout's probe: the allowance only from the role variable, as zero or one word.
+    env = (ROLE / "templates" / "probe.env.j2").read_text()
+    assert " $DDTREE_PROBE_LOSSLESS_FLAGS " in probe
+    assert "ddtree_exporter_probe_allow_lossless_unchecked" in env
+    assert _load("defaults/main.yml")["ddtree_exporter_probe_allow_lossless_unchecked"] is False

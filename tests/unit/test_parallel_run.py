@@ -3,6 +3,7 @@ a group runs whole and in file order, and the longest groups start first (docs/c
 
 from __future__ import annotations
 
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -132,3 +133,27 @@ def test_each_grouped_or_early_module_is_one_the_suite_has() -> None:
     groups = set(top.SHARED_WORLDS.values())
     for group in top.LONGEST_FIRST:
         assert group in groups or (REPO / group).is_file(), f"LONGEST_FIRST names {group}: no such group"
+
+
+# --- the fast loop (`make check`: -m "not slow", docs/testing.md)
+def test_a_fast_test_that_starts_a_process_fails() -> None:
+    assert "tests/unit/test_parallel_run.py" in top.FAST_MODULES  # so the guard is on here
+    with pytest.raises(AssertionError, match="starts a process"):
+        subprocess.run(["true"], check=False)
+
+
+def test_every_module_outside_the_fast_list_is_marked_slow() -> None:
+    @dataclass
+    class Marked:
+        nodeid: str
+        marks: list[str] = field(default_factory=list)
+
+        def add_marker(self, mark: pytest.MarkDecorator) -> None:
+            self.marks.append(mark.name)
+
+    slow, fast = Marked("tests/unit/test_fleet.py::test_x"), Marked("tests/unit/test_tree_build.py::test_y")
+    lab = Marked("tests/lab/test_router_lab.py::test_z")
+    for item in (slow, fast, lab):
+        top.pytest_itemcollected(item)  # type: ignore[arg-type]
+    assert (slow.marks, fast.marks, lab.marks) == (["slow"], [], ["slow"])
+    assert all((REPO / module).is_file() for module in top.FAST_MODULES)

@@ -59,7 +59,9 @@ def test_healthy_ddtree_server_passes(ddtree_server: LabServerProcess, tmp_path:
     assert all(a["text"].strip() for a in report["figures"]["answers"])
     checked = report["figures"]["lossless"]
     assert (checked["status"], checked["mismatches"], checked["near_ties"]) == ("passed", 0, 0)
-    assert checked["tokens_checked"] == report["figures"]["completion_tokens"] == 96  # 3 prompts x 32
+    # 3 prompts x 32, one at a time and again all at once, each answer checked by a request of its own
+    assert checked["tokens_checked"] == 2 * report["figures"]["completion_tokens"] == 192
+    assert checked["prompts"] == 6 and len(report["figures"]["batch_answers"]) == 3
 
 
 def test_a_verify_that_is_not_lossless_fails_though_fluent_and_accepting(models: Path, tmp_path: Path):
@@ -95,7 +97,7 @@ def test_a_drafter_that_never_agrees_still_passes_the_lossless_check(models: Pat
     assert report.ok, report.message
     assert report.figures["accept_length"] < 1.1
     checked = report.figures["lossless"]
-    assert (checked["status"], checked["tokens_checked"], checked["mismatches"]) == ("passed", 96, 0)
+    assert (checked["status"], checked["tokens_checked"], checked["mismatches"]) == ("passed", 192, 0)
 
 
 def test_greedy_answers_repeat_exactly(ddtree_server: LabServerProcess):

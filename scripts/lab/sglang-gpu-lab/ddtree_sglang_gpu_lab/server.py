@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from ddtree_runtime.tiny_engine.ports import lease_ports
 
 READY_LINE = "The server is fired up and ready to roll!"
 SPECULATIVE_ONLY_FLAGS = ("speculative-ddtree-budget", "speculative-ddtree-topk-cap")
@@ -81,12 +82,6 @@ def profile_argv(
     return argv
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class GpuServer:
     """``python -m sglang.launch_server`` for one case; its log in ``log_dir``."""
 
@@ -105,7 +100,10 @@ class GpuServer:
         env: dict[str, str] | None = None,
     ) -> None:
         self.name = name
-        self.port = free_port()
+        # Every port the server binds, held until stop(): servers start side by side (start_all), and
+        # SGLang's own draw of --nccl-port (torch.distributed's store) let two of seven collide.
+        self.lease = lease_ports(2)
+        self.port, self.nccl_port = self.lease.ports
         self.url = f"http://127.0.0.1:{self.port}"
         spec: list[str] = []
         if algorithm is not None:
@@ -116,6 +114,7 @@ class GpuServer:
             *profile_argv(profile, speculative=speculative_flags, hybrid=hybrid, overrides=overrides),
             *LAB_FLAGS, *(extra or []),
             "--enable-metrics", "--host", "127.0.0.1", "--port", str(self.port),
+            "--nccl-port", str(self.nccl_port),
         ]  # fmt: skip
         self.log_path = log_dir / f"{name}.log"
         child_env = {
@@ -169,6 +168,7 @@ class GpuServer:
             with contextlib.suppress(psutil.NoSuchProcess):
                 child.kill()
         psutil.wait_procs(children, timeout=10)
+        self.lease.release()
 
     # --- HTTP ----------------------------------------------------------------------------------
     def request(self, path: str, payload: Any = None, *, timeout: float = 300) -> tuple[int, Any]:
