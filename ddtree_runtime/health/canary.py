@@ -15,21 +15,19 @@ import argparse
 import ipaddress
 import json
 import math
-import os
 import socket
 import statistics
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ddtree_runtime.health import http_client
 from ddtree_runtime.health.probe import DEFAULT_PROMPTS, Check, http_request
+from ddtree_runtime.health.report_file import write_json_atomic
 
 EXIT_PROMOTE, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOT_READY = 0, 1, 2, 3
 SIDES = ("live", "shadow")
@@ -512,17 +510,6 @@ def _check_inputs(prompts: list[str], rounds: int, max_new_tokens: int, ready_ti
 # ---------------------------------------------------------------------------- CLI
 
 
-def write_json_atomic(doc: dict[str, Any], path: str) -> None:
-    """Temp file + rename, so a reader never sees half a report."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(doc, fh, indent=2)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, target)
-
-
 def _unavailable_report(message: str, exit_code: int, args: argparse.Namespace) -> dict[str, Any]:
     return {"ok": False, "verdict": "abort", "reason": message, "exit_code": exit_code, "time": time.time(),
             "checks": [{"name": "ready" if exit_code == EXIT_NOT_READY else "input", "ok": False,
@@ -547,7 +534,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     if args.write_report:
         try:
             write_json_atomic(doc, args.write_report)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: a non-finite figure, refused as the probe's are
             print(f"canary: cannot write {args.write_report}: {exc}", file=sys.stderr)
     print(json.dumps(doc, indent=2) if args.json else "\n".join(doc["table"]))
     return int(doc["exit_code"])

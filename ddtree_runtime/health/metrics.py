@@ -15,12 +15,10 @@ import argparse
 import contextlib
 import datetime as dt
 import fcntl
-import json
 import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +28,7 @@ from prometheus_client import CollectorRegistry, generate_latest, start_http_ser
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ddtree_runtime.core.contract import ContractError, read_json_file
+from ddtree_runtime.health.report_file import write_json_atomic
 
 DEFAULT_STATE_ROOT = "/var/lib/ddtree"
 DEFAULT_UNITS = ("sglang-qwen", "sglang-qwen-shadow")
@@ -322,19 +321,6 @@ def _locked(path: Path) -> Iterator[None]:
         yield
 
 
-def _atomic_json(path: Path, doc: dict[str, Any]) -> None:
-    text = json.dumps(doc, indent=2, allow_nan=False)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _checked_unit(unit: str) -> str:
     label = unit_label(unit)
     if not _UNIT_NAME.match(label):
@@ -363,7 +349,7 @@ def record_rollout(state_root: str, unit: str, outcome: str, *, release: str | N
         counts[outcome] = counts.get(outcome, 0) + 1
         doc = {"counts": counts, "last": {"outcome": outcome, "release": release, "profile": profile,
                                           "cause": cause, "time": time.time()}}
-        _atomic_json(path, doc)
+        write_json_atomic(doc, path)
     return doc
 
 
@@ -377,7 +363,7 @@ def record_probe(state_root: str, unit: str, report_path: str) -> Path:
         raise ValueError(f"{report_path}: not a probe report (want the JSON of `ddtree probe ... --json`)")
     path = Path(state_root) / "probe" / f"{_checked_unit(unit)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_json(path, doc)
+    write_json_atomic(doc, path)
     return path
 
 

@@ -26,16 +26,15 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from ddtree_runtime.health import diagnose, http_client, lossless
 from ddtree_runtime.health.http_client import HTTPFailure
+from ddtree_runtime.health.report_file import write_json_atomic
 
 EXIT_PASS, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOT_READY = 0, 1, 2, 3
 
@@ -746,19 +745,8 @@ def attach_diagnosis(report: Report, unit: str, *, settle_s: float = 3.0) -> Non
 
 
 def write_report(report: Report, path: str) -> None:
-    """Atomic write (temp file + rename), so a reader never sees half a report; strict JSON."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(report.to_dict(), indent=2, allow_nan=False)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)  # no half-written temp file left behind
-        raise
+    """The report as strict JSON, written atomically (health.report_file)."""
+    write_json_atomic(report.to_dict(), path)
 
 
 def format_report(report: Report) -> str:
