@@ -3,7 +3,7 @@
 The resolution mirrors the pinned release for the knobs that size memory: DFLASH's defaults
 (``arg_groups/speculative_hook._handle_dflash``: 48 running requests), DDTREE's widths (this
 plugin's ``algorithm.resolve_server_args``: verify width budget + 1, per-request reservation
-max(budget + 1, block)), the overlap scheduler (off for trees unless --speculative-ddtree-overlap),
+max(budget + 1, block)), the overlap scheduler (on for trees and the chain unless disabled),
 the mamba radix strategy (``arg_groups/overrides._mamba_radix_cache_resolution``) and the GPU-size defaults
 (``arg_groups/memory_hook.handle_gpu_memory_settings``).
 """
@@ -39,7 +39,6 @@ _BOOL_FLAGS = {
     "disable-cuda-graph": "disable_cuda_graph",
     "disable-radix-cache": "disable_radix_cache",
     "disable-overlap-schedule": "disable_overlap_schedule",
-    "speculative-ddtree-overlap": "trees_overlap",
 }
 ALIASES = {"tensor-parallel-size": "tp-size", "tp": "tp-size"}
 
@@ -61,7 +60,6 @@ class ServeSettings:
     radix_strategy: str = "auto"
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
-    trees_overlap: bool = False  # --speculative-ddtree-overlap
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
     chunked_prefill_size: int | None = None
@@ -191,9 +189,8 @@ def resolve(settings: ServeSettings, pair: ModelPair, gpu_mem_mib: int) -> Resol
     budget = settings.budget if settings.budget is not None else block - 1
     if block < 2:
         raise PlanError(f"the drafter block must be at least 2 (got {block})")
-    chain = settings.topk_cap == 1 and budget == block - 1
-    # The plugin's rule (algorithm.resolve_server_args): trees overlap only with --speculative-ddtree-overlap.
-    overlap = not settings.disable_overlap_schedule and (chain or settings.trees_overlap)
+    # Trees and the chain alike keep SGLang's overlap scheduler unless disabled (the plugin's resolution).
+    overlap = not settings.disable_overlap_schedule
     context = settings.context_length or target.context_length
     running = settings.max_running_requests or DFLASH_DEFAULT_MAX_RUNNING
     radix = None

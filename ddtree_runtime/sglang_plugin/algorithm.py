@@ -187,14 +187,10 @@ def resolve_server_args(server_args: Any) -> None:
         "speculative_dflash_block_size": block,
         "speculative_num_draft_tokens": max(budget + 1, block),
     }
-    if not chain and not args.overlap and not cfg.disable_overlap_schedule:
-        # The tree round reads nothing back to the host (tree_round), so trees can run overlapped;
-        # they do with --speculative-ddtree-overlap until the GPU suite passes with it by default.
-        logger.info(
-            "DDTREE runs tree configurations without the overlap scheduler "
-            "(--speculative-ddtree-overlap turns it on)."
-        )
-        sizes["disable_overlap_schedule"] = True
+    # Trees keep SGLang's overlap scheduler, as DFLASH does: the tree round reads nothing back to the
+    # host (tree_round; tests/sglang/test_tree_round_sync.py, the GPU suite's sync watch), and the
+    # GPU suite is token-identical with it (docs/bench/overlap-tree-round.md). SGLang still turns it
+    # off where it must (CPU, pp > 1, --disable-overlap-schedule).
     declare_resolution(record, RESOLUTION_SOURCE, **sizes)
     resolved = {
         "algorithm": ALGORITHM,

@@ -28,7 +28,6 @@ class DDTreeArgs:
     budget: int | None = None  # None: one node per draft position (L = block_size - 1)
     topk_cap: int | None = None
     allow_hybrid: bool = False
-    overlap: bool = False  # trees under SGLang's overlap scheduler (the chain case always is)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -79,16 +78,6 @@ def add_ddtree_arguments(parser: argparse.ArgumentParser) -> None:
         "verify trees on (Mamba2, KDA, lightning attention, ...). Gated DeltaNet hybrids "
         "(Qwen3-Next / Qwen3.5 / Qwen3.6) serve trees without it; no kind gets a tree through it.",
     )
-    group.add_argument(
-        "--speculative-ddtree-overlap",
-        action="store_true",
-        default=False,
-        help="DDTREE only. Run tree configurations under SGLang's overlap scheduler, as DFLASH and the "
-        "chain case run (the tree round reads nothing back to the host). Off by default until the "
-        "GPU suite passes with it (docs/bench/overlap-tree-round.md); SGLang still turns overlap off "
-        "where it must (CPU, --disable-overlap-schedule, ...). On a hybrid target with extra_buffer "
-        "it keeps 5 recurrent-state slots per running request instead of 4.",
-    )
 
 
 def capture_ddtree_arguments(record: Any, namespace: argparse.Namespace) -> DDTreeArgs:
@@ -97,7 +86,6 @@ def capture_ddtree_arguments(record: Any, namespace: argparse.Namespace) -> DDTr
         budget=getattr(namespace, "speculative_ddtree_budget", None),
         topk_cap=getattr(namespace, "speculative_ddtree_topk_cap", None),
         allow_hybrid=bool(getattr(namespace, "speculative_ddtree_allow_hybrid", False)),
-        overlap=bool(getattr(namespace, "speculative_ddtree_overlap", False)),
     )
     setattr(record, RECORD_ATTR, args.to_dict())
     return args

@@ -12,7 +12,7 @@ plain server's own top-2 log-probs, within ``tests._ties.NEAR_TIE_LOGPROB_GAP``:
 verify row may round apart from decode's; each report line counts them); the shipped budget (16)
 and a larger one (32); page size 1 and 16;
 T > 0 lossless by the chi-square test of the CPU suite; the live probe passes. Trees run under SGLang's
-overlap scheduler (``--speculative-ddtree-overlap``; ``DDTREE_GPU_SUITE_OVERLAP=0``: the default, off),
+overlap scheduler (the default; ``DDTREE_GPU_SUITE_OVERLAP=0`` adds ``--disable-overlap-schedule``),
 as ``/server_info`` says; their decode forward issues no host sync that DFLASH's does not (CUDA's sync
 debug mode, ``ddtree_sglang_gpu_lab.sync_watch``); requests finishing and joining every round stay
 identical (near-ties as above).
@@ -60,8 +60,8 @@ CONFIGS = {  # name: (pair, budget, page size)
     "hybrid-b16": ("hybrid", 16, 1), "hybrid-b16-p16": ("hybrid", 16, 16), "hybrid-b32": ("hybrid", 32, 1),
 }  # fmt: skip
 SAMPLE_PROMPT, SAMPLES, SAMPLE_TOKENS, P_FLOOR = "the cat sees", 600, 4, 1e-4
-# The tree servers run under SGLang's overlap scheduler (--speculative-ddtree-overlap) unless
-# DDTREE_GPU_SUITE_OVERLAP=0, which runs the plugin's default (overlap off for trees).
+# The tree servers run under SGLang's overlap scheduler (the plugin's default) unless
+# DDTREE_GPU_SUITE_OVERLAP=0, which turns it off (--disable-overlap-schedule).
 OVERLAP = os.environ.get("DDTREE_GPU_SUITE_OVERLAP", "1") == "1"
 
 
@@ -81,8 +81,8 @@ def servers():
     for name, (pair, budget, page) in CONFIGS.items():
         over = {"speculative-ddtree-budget": budget}
         extra = ["--page-size", str(page)] if page > 1 else []
-        if OVERLAP:
-            extra.append("--speculative-ddtree-overlap")
+        if not OVERLAP:
+            extra.append("--disable-overlap-schedule")
         specs.append(Spec(name, pair, "DDTREE", env=env, overrides=over, extra=extra))
     logs = Path(os.environ.get("DDTREE_GPU_LAB_LOGS", "/tmp/gpulab/logs")) / "suite"
     started = start_all(specs, Path(MODELS), logs)

@@ -34,7 +34,7 @@ def test_full_command_line_resolves_with_dflash_defaults_and_ddtree_sizes(sglang
     # drafter block from the draft config (16); verify width budget + 1 (25) decoupled from it
     assert cfg.speculative_dflash_block_size == 16
     assert cfg.speculative_num_draft_tokens == 25
-    assert cfg.disable_overlap_schedule is True  # trees: overlap only with --speculative-ddtree-overlap
+    assert cfg.disable_overlap_schedule is False  # trees keep SGLang's overlap scheduler, as DFLASH does
     assert cfg.attention_backend == "triton"
     assert cfg.mem_fraction_static == 0.8 and cfg.context_length == 4096
     settings = record._ddtree_resolved
@@ -138,13 +138,11 @@ def test_unknown_without_the_plugin_is_sglangs_own_error(pair):
         SpeculativeAlgorithm.from_string("DDTREE2")
 
 
-def test_trees_run_overlapped_with_the_flag_unless_the_operator_turns_overlap_off(sglang_plugins, pair):
+def test_trees_run_overlapped_unless_the_operator_turns_overlap_off(sglang_plugins, pair):
     tree = ("--speculative-ddtree-budget", "16")
     _, cfg = resolve(ddtree_argv(*pair, *tree))
-    assert cfg.disable_overlap_schedule is True
-    record, cfg = resolve(ddtree_argv(*pair, *tree, "--speculative-ddtree-overlap"))
-    assert cfg.disable_overlap_schedule is False and record._ddtree_cli["overlap"] is True
-    _, cfg = resolve(ddtree_argv(*pair, *tree, "--speculative-ddtree-overlap", "--disable-overlap-schedule"))
+    assert cfg.disable_overlap_schedule is False
+    _, cfg = resolve(ddtree_argv(*pair, *tree, "--disable-overlap-schedule"))
     assert cfg.disable_overlap_schedule is True
 
 

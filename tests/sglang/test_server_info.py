@@ -39,7 +39,7 @@ def test_server_info_carries_flags_and_the_launch_handshake(sglang_plugins, pair
     assert hs["target_hidden_size"] == 4096 and hs["target_layer_ids"] == [1, 9, 17, 25, 33]
     assert hs["expected_hidden_width"] == 20480 == hs["draft_fc_in_features"]
     assert hs["observed_hidden_width"] is None and hs["status"] == "pending"
-    assert info["ddtree_overlap_schedule"] is False and info["disable_overlap_schedule"] is True
+    assert info["ddtree_overlap_schedule"] is True and info["disable_overlap_schedule"] is False
 
 
 def test_server_info_says_whether_the_scheduler_runs_overlapped(sglang_plugins, pair):
@@ -47,7 +47,11 @@ def test_server_info_says_whether_the_scheduler_runs_overlapped(sglang_plugins, 
 
     from ddtree_runtime.health.probe import overlap_schedule
 
-    record, _ = resolve(ddtree_argv(*pair, "--speculative-ddtree-overlap"))
+    record, _ = resolve(ddtree_argv(*pair, "--disable-overlap-schedule"))
+    info = common.build_server_info(record, {})
+    assert info["ddtree_overlap_schedule"] is False
+    assert overlap_schedule(info) is False
+    record, _ = resolve(ddtree_argv(*pair))
     info = common.build_server_info(record, {})
     assert info["ddtree_overlap_schedule"] is True
     assert overlap_schedule(info) is True  # what the live probe's report carries

@@ -142,12 +142,6 @@ def compare(
 NO_OVERLAP = ["--disable-overlap-schedule"]
 
 
-def tree_overlap() -> list[str]:
-    """``DDTREE_GPU_LAB_TREE_OVERLAP=1``: this checkout's DDTREE servers run their trees under SGLang's
-    overlap scheduler (the plugin's --speculative-ddtree-overlap; a ``-baseline`` plugin may lack it)."""
-    return ["--speculative-ddtree-overlap"] if os.environ.get("DDTREE_GPU_LAB_TREE_OVERLAP") == "1" else []
-
-
 def no_overlap() -> bool:
     """``DDTREE_GPU_LAB_NO_OVERLAP=1``: also this plugin with SGLang's overlap scheduler off."""
     return os.environ.get("DDTREE_GPU_LAB_NO_OVERLAP") == "1"
@@ -165,7 +159,7 @@ def evidence_specs() -> list[Spec]:
     specs = []
     base = baseline_env()
     for pair in _pairs():
-        specs.append(Spec(f"{pair}-ddtree", pair, "DDTREE", extra=tree_overlap()))
+        specs.append(Spec(f"{pair}-ddtree", pair, "DDTREE"))
         specs.append(Spec(f"{pair}-dflash", pair, "DFLASH"))
         if base:
             specs.append(Spec(f"{pair}-ddtree-baseline", pair, "DDTREE", env=base))
@@ -236,8 +230,7 @@ def bench_specs() -> list[Spec]:
         specs += [Spec(f"{pair}-plain", pair, extra=idle), Spec(f"{pair}-dflash", pair, "DFLASH", extra=idle)]
         for budget in budgets:
             over = {"speculative-ddtree-budget": budget}
-            tree = idle + tree_overlap()
-            specs.append(Spec(f"{pair}-ddtree-b{budget}", pair, "DDTREE", overrides=over, extra=tree))
+            specs.append(Spec(f"{pair}-ddtree-b{budget}", pair, "DDTREE", overrides=over, extra=idle))
             base = baseline_env()
             if base:  # the packed plugin (pack.py --baseline REF), measured in the same call
                 name = f"{pair}-ddtree-b{budget}-baseline"
@@ -317,8 +310,6 @@ def prod_spec(word: str) -> Spec:
     elif decoder != "plain":
         raise ValueError(f"{word!r}: start with plain, dflash or ddtreeB")
     dummy = ["--load-format", "dummy"]
-    if algorithm == "DDTREE" and not env:
-        dummy += tree_overlap()
     return Spec(f"prod-{word}", "prod", algorithm, env=env, overrides=overrides, extra=dummy)
 
 
