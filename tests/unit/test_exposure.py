@@ -62,8 +62,9 @@ def test_probe_unit_is_unprivileged_reads_the_journal_and_cannot_hang(exporter_u
     assert _directives(text, "SupplementaryGroups") == ["systemd-journal"]
     assert _directives(text, "ReadWritePaths") == ["/var/lib/ddtree/probe"]
     assert _directives(text, "IPAddressAllow") == ["localhost"]  # it probes loopback only
-    # readiness 120 s + 7 requests x 60 s + a margin: the probe's own deadlines end it first
-    assert _directives(text, "TimeoutStartSec") == ["600"]
+    # readiness 120 s + 13 request deadlines x 60 s (/tokenize, 3 answers one at a time, the batch at once,
+    # 6 lossless checks: one per answer, /server_info, /metrics) + a margin: the probe's deadlines end first
+    assert _directives(text, "TimeoutStartSec") == ["960"]
     assert "--request-timeout ${DDTREE_PROBE_REQUEST_TIMEOUT}" in text
 
 
