@@ -166,6 +166,7 @@ class CounterfactualScorer:
         self.max_depth = torch.zeros((s, r, c), **long)
         self.cont = torch.full((s, r, ring_width(horizon)), -1, **long)
         self.known = torch.zeros((s, r), **long)
+        self.real_tokens = torch.zeros((s, r), **long)  # tokens the real round emitted (accepted + 1)
         self.active = torch.zeros((s, r), dtype=torch.bool, device=self.device)
         # Counters (device): rounds scored, accepted drafted tokens and their squares per candidate.
         self.rounds_scored = torch.zeros((), **long)
@@ -174,6 +175,10 @@ class CounterfactualScorer:
         self.rounds_sampled = torch.zeros((), **long)
         self.rounds_dropped = torch.zeros((), **long)
         self.rounds_discarded = torch.zeros((), **long)
+        # Renewal weighting (see snapshot): tokens the scored real rounds emitted, and per candidate
+        # the sum of (real tokens / candidate tokens), in fp64 (exact for any realistic count).
+        self.real_emitted = torch.zeros((), **long)
+        self.round_weight = torch.zeros((c,), dtype=torch.float64, device=self.device)
 
     # ------------------------------------------------------------------ per round
 
@@ -208,7 +213,7 @@ class CounterfactualScorer:
         if top is not None and sample is not None:
             if top.ids.shape[1] != self.horizon:
                 raise ValueError(f"draft top-K horizon {top.ids.shape[1]} != scorer horizon {self.horizon}")
-            self._register(top, slots, sample.to(self.device).bool())
+            self._register(top, slots, sample.to(self.device).bool(), num_emitted.to(self.device).long())
         self._feed(emitted.to(self.device).long(), num_emitted.to(self.device).long(), slots)
         self._resolve()
 
@@ -219,7 +224,7 @@ class CounterfactualScorer:
         self.rounds_discarded += self.active[slots].sum()
         self.active[slots] = False
 
-    def _register(self, top: DraftTopK, slots: Tensor, sample: Tensor) -> None:
+    def _register(self, top: DraftTopK, slots: Tensor, sample: Tensor, num_emitted: Tensor) -> None:
         b = slots.shape[0]
         trees = self.trees(top)
         m, c = self.max_budget, len(self.candidates)
@@ -248,6 +253,7 @@ class CounterfactualScorer:
         )
         self.cont[slots, entry] = torch.where(take[:, None], -1, self.cont[slots, entry])
         self.known[slots, entry] = torch.where(take, 0, self.known[slots, entry])
+        self.real_tokens[slots, entry] = torch.where(take, num_emitted, self.real_tokens[slots, entry])
         self.active[slots, entry] = self.active[slots, entry] | take
 
     def _feed(self, emitted: Tensor, num: Tensor, slots: Tensor) -> None:
@@ -274,21 +280,35 @@ class CounterfactualScorer:
         self.rounds_scored += done.sum()
         self.accepted += counted.sum(dim=(0, 1))
         self.accepted_sq += (counted * counted).sum(dim=(0, 1))
+        real = torch.where(done, self.real_tokens, torch.zeros_like(self.real_tokens))
+        self.real_emitted += real.sum()
+        self.round_weight += (real[:, :, None].double() / (match + 1).double()).sum(dim=(0, 1))
         self.active &= ~done
 
     # ------------------------------------------------------------------ read-out
 
     def snapshot(self) -> dict:
-        """Host copy of the counters: ``{"rounds_scored", "rounds_sampled", "rounds_dropped",
-        "rounds_discarded", "pending", "candidates": [{"label", "budget", "topk_cap", "accepted",
-        "accepted_sq"}]}``."""
+        """Host copy of the counters (the only host sync): ``{"rounds_scored", "rounds_sampled",
+        "rounds_dropped", "rounds_discarded", "pending", "real_emitted", "candidates": [{"label",
+        "budget", "topk_cap", "accepted", "accepted_sq", "round_weight", "tokens_per_round"}]}``.
+
+        ``accepted / rounds_scored`` is the candidate's mean acceptance on the rounds this server
+        happened to start; a server running the candidate starts its rounds elsewhere (it skips what
+        it accepts). ``tokens_per_round = real_emitted / round_weight`` corrects for that (renewal
+        weighting: a real round that emitted ``n`` tokens stands for ``n`` positions, on which the
+        candidate would need ``n / (accepted + 1)`` rounds), exact when the candidate's acceptance is
+        constant over each real round's span (docs/counterfactual-acceptance.md).
+        """
         acc, sq = self.accepted.tolist(), self.accepted_sq.tolist()
+        weight = self.round_weight.tolist()
+        real = int(self.real_emitted)
         return {
             "rounds_scored": int(self.rounds_scored),
             "rounds_sampled": int(self.rounds_sampled),
             "rounds_dropped": int(self.rounds_dropped),
             "rounds_discarded": int(self.rounds_discarded),
             "pending": int(self.active.sum()),
+            "real_emitted": real,
             "candidates": [
                 {
                     "label": c.label,
@@ -296,8 +316,10 @@ class CounterfactualScorer:
                     "topk_cap": c.topk_cap,
                     "accepted": a,
                     "accepted_sq": q,
+                    "round_weight": w,
+                    "tokens_per_round": real / w if w > 0 else None,
                 }
-                for c, a, q in zip(self.candidates, acc, sq, strict=True)
+                for c, a, q, w in zip(self.candidates, acc, sq, weight, strict=True)
             ],
         }
 

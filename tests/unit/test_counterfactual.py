@@ -177,3 +177,33 @@ def test_bad_input_is_refused_with_a_reason() -> None:
             torch.tensor([0]),
             torch.tensor([True]),
         )
+
+
+def test_renewal_weighting_counts_each_real_round_for_the_tokens_it_covered() -> None:
+    # Two rounds of one request on a server running the chain: round 1 emits 3 tokens (2 accepted +
+    # bonus), round 2 emits 1 (0 + bonus). A candidate accepting m1 and m2 on them would need
+    # 3 / (m1 + 1) + 1 / (m2 + 1) rounds for those 4 positions.
+    logits = _logits(5, 1)
+    argmax = logits.argmax(-1)
+    cands = [Candidate(L, 1), Candidate(16)]
+    s = CounterfactualScorer(cands, horizon=L, num_slots=1)
+    top = s.top_from_logits(logits)
+    slot, yes = torch.tensor([0]), torch.tensor([True])
+    off = (argmax + 1) % V
+    first = torch.cat([argmax[0, :2], off[0, 2:]])  # the chain leaves at depth 3; the rest is known too
+    second = off[0]
+    s.observe(top, first[None], torch.tensor([3]), slot, yes)
+    s.observe(None, first[None, 3:], torch.tensor([L - 3]), slot, None)  # the rest of round 1's window
+    s.observe(top, second[None], torch.tensor([1]), slot, yes)
+    s.observe(None, second[None, 1:], torch.tensor([L - 1]), slot, None)
+    snap = s.snapshot()
+    assert (snap["rounds_scored"], snap["real_emitted"]) == (2, 4)
+    tree16 = build_tree(logits, 16)
+    m = [_brute_depth(tree16, 0, first.tolist()), _brute_depth(tree16, 0, second.tolist())]
+    chain, tree = snap["candidates"]
+    assert chain["accepted"] == 2 and chain["round_weight"] == pytest.approx(3 / 3 + 1 / 1)
+    assert chain["tokens_per_round"] == pytest.approx(
+        2.0
+    )  # the running setting: its real 4 tokens / 2 rounds
+    assert tree["accepted"] == sum(m)
+    assert tree["round_weight"] == pytest.approx(3 / (m[0] + 1) + 1 / (m[1] + 1))
