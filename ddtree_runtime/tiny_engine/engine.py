@@ -281,9 +281,14 @@ class LabEngine:
         draw = torch.rand(len(rows), generator=self._cf_generator, device=self.device)
         greedy = torch.tensor([params[i].greedy for i in rows], device=self.device)
         sample = (draw < self.counterfactual_fraction) & greedy
-        top = self.counterfactual.top_from_logits(draft_logits[sel])
         slot_ids = torch.tensor([slots[i] for i in rows], device=self.device)
-        self.counterfactual.observe(top, walk.emitted[sel], walk.num_emitted[sel], slot_ids, sample)
+        # The lab engine syncs every round anyway: it skips the trees when no row is sampled and the
+        # whole update when nothing is pending (the scorer itself never needs to).
+        if bool(sample.any()):
+            top = self.counterfactual.top_from_logits(draft_logits[sel])
+            self.counterfactual.observe(top, walk.emitted[sel], walk.num_emitted[sel], slot_ids, sample)
+        elif bool(self.counterfactual.active.any()):
+            self.counterfactual.observe(None, walk.emitted[sel], walk.num_emitted[sel], slot_ids, None)
 
     def counterfactual_slot(self) -> int | None:
         """A free scorer slot for a new request (None: not scoring, or every slot taken)."""

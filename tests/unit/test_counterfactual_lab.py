@@ -87,3 +87,83 @@ def test_only_a_fraction_of_greedy_rounds_is_sampled(models: Path) -> None:
     with pytest.raises(ValueError, match="fraction"):
         LabEngine(models / "target", models / "draft", algorithm="DFLASH",
                   counterfactual=[Candidate(16)], counterfactual_fraction=1.5)  # fmt: skip
+
+
+def _lab_server(models: Path, *flags: str):
+    """A lab server in this process (scheduler thread, no HTTP): flags parsed and resolved as `serve` does."""
+    import argparse
+    import json
+
+    from ddtree_runtime.tiny_engine import faults
+    from ddtree_runtime.tiny_engine.server import LabServer
+    from ddtree_runtime.tiny_engine.server_args import add_server_args, resolve
+
+    p = argparse.ArgumentParser()
+    add_server_args(p)
+    args = p.parse_args([
+        "--model-path", str(models / "target"), "--speculative-draft-model-path", str(models / "draft"),
+        "--device", "cpu", "--skip-server-warmup", *flags,
+    ])  # fmt: skip
+    cfg = json.loads((models / "target" / "config.json").read_text())
+    sargs = resolve(args, target_config=cfg, draft_block_size=16)
+    sargs["device"] = "cpu"
+    return LabServer(sargs, faults.fault_plan(None), "cpu")
+
+
+def test_the_lab_server_exposes_the_counters_on_its_metrics(models: Path) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    lab = _lab_server(models, "--speculative-algorithm", "DDTREE", "--speculative-ddtree-budget", "15",
+                      "--speculative-ddtree-topk-cap", "1", "--enable-metrics",
+                      "--speculative-ddtree-counterfactual-fraction", "1",
+                      "--speculative-ddtree-counterfactual-budgets", "16,chain")  # fmt: skip
+    lab.start()
+    try:
+        prompts = [lab.engine.tokenizer.encode(p) for p in LAB_PROMPTS[:3]]
+        job = lab.submit(prompts, [SamplingParams(max_new_tokens=32)] * 3, timeout=120)
+        assert job.done.is_set()
+        snap = lab.counterfactual()
+        samples = {
+            (s.name, s.labels.get("budget")): s.value
+            for fam in text_string_to_metric_families(lab.metrics.render().decode())
+            for s in fam.samples
+        }
+    finally:
+        lab.stop.set()
+    assert snap is not None and snap["rounds_scored"] > 0
+    assert samples[("sglang:ddtree_counterfactual_rounds_scored_total", None)] == snap["rounds_scored"]
+    for cand in snap["candidates"]:
+        label = cand["label"]
+        assert samples[("sglang:ddtree_counterfactual_accepted_tokens_total", label)] == cand["accepted"]
+        assert samples[("sglang:ddtree_counterfactual_round_weight_total", label)] == pytest.approx(
+            cand["round_weight"]
+        )
+    assert {b for (n, b) in samples if n == "sglang:ddtree_counterfactual_accepted_tokens_total"} == {
+        "16",
+        "chain",
+    }
+    real_emitted = samples[("sglang:ddtree_counterfactual_real_emitted_tokens_total", None)]
+    assert real_emitted == snap["real_emitted"] > 0
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--speculative-ddtree-counterfactual-fraction", "2"], "must be in"),
+        (["--speculative-ddtree-counterfactual-fraction", "nan"], "must be in"),
+        (["--speculative-ddtree-counterfactual-budgets", "8,banana"], "banana"),
+        (["--speculative-ddtree-counterfactual-budgets", ""], "no candidate"),
+    ],
+)
+def test_bad_counterfactual_flags_are_refused_at_resolve(models: Path, flags: list[str], words: str) -> None:
+    from ddtree_runtime.tiny_engine.server_args import ServerArgsError
+
+    with pytest.raises(ServerArgsError, match=words):
+        _lab_server(models, "--speculative-algorithm", "DFLASH", *flags)
+
+
+def test_the_default_is_a_small_fraction_and_none_without_a_drafter(models: Path) -> None:
+    lab = _lab_server(models, "--speculative-algorithm", "DFLASH")
+    assert lab.sargs["speculative_ddtree_counterfactual_fraction"] == 0.05
+    assert lab._counterfactual_candidates() == parse_candidates("8,16,32,64,chain", 15)
+    assert _lab_server(models)._counterfactual_candidates() is None
