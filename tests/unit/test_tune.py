@@ -184,3 +184,41 @@ def test_the_verb_reads_a_server_and_its_current_setting(fake_server: str, capsy
     assert out["current"] == "16" and out["recommended"] == "16" and not out["change"]
     assert main(["tune", "--url", "http://127.0.0.1:1", "--timeout", "2"]) == 3
     assert "ddtree tune:" in capsys.readouterr().err
+
+
+def test_the_exporter_serves_the_estimate_per_budget(fake_server: str, tmp_path: Path, capsys) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _Fake.metrics = _metrics_text(SNAP)
+    root = tmp_path / "state"
+    unit = "sglang-qwen.service"
+    assert main(["metrics", "record-counterfactual", "--state-dir", str(root), "--unit", unit,
+                 "--url", fake_server]) == 0  # fmt: skip
+    assert main(["metrics", "show", "--state-dir", str(root), "--no-systemd"]) == 0
+    samples = {
+        (s.name, s.labels.get("unit"), s.labels.get("budget")): s.value
+        for fam in text_string_to_metric_families(capsys.readouterr().out)
+        for s in fam.samples
+    }
+    assert samples[("ddtree_counterfactual_rounds_scored_total", "sglang-qwen", None)] == 400
+    assert samples[("ddtree_counterfactual_accepted_tokens_total", "sglang-qwen", "16")] == 1200
+    assert samples[("ddtree_counterfactual_tokens_per_round", "sglang-qwen", "chain")] == pytest.approx(2.0)
+    b16 = cf.estimates(cf.parse_metrics(_Fake.metrics))[1]
+    assert samples[("ddtree_counterfactual_tokens_per_round", "sglang-qwen", "16")] == pytest.approx(
+        b16.tokens_per_round
+    )
+    assert samples[("ddtree_counterfactual_tokens_per_round_stderr", "sglang-qwen", "16")] == pytest.approx(
+        b16.tokens_per_round_se
+    )
+    # A broken state file costs only its own series, and is named.
+    (root / "counterfactual" / "sglang-qwen.json").write_text('{"counts": {"rounds_scored": -1}}')
+    assert main(["metrics", "show", "--state-dir", str(root), "--no-systemd"]) == 0
+    captured = capsys.readouterr()
+    assert "ddtree_counterfactual_tokens_per_round{" not in captured.out
+    assert "counterfactual/sglang-qwen.json" in captured.err
+    # A server without the counters: a one-line refusal, nothing stored.
+    _Fake.metrics = ServingMetrics("lab").render().decode()
+    assert main(["metrics", "record-counterfactual", "--state-dir", str(root), "--unit", "u2",
+                 "--url", fake_server]) == 2  # fmt: skip
+    assert "no sglang:ddtree_counterfactual_" in capsys.readouterr().err
+    assert not (root / "counterfactual" / "u2.json").exists()
