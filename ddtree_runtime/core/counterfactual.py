@@ -215,7 +215,7 @@ class CounterfactualScorer:
                 raise ValueError(f"draft top-K horizon {top.ids.shape[1]} != scorer horizon {self.horizon}")
             self._register(top, slots, sample.to(self.device).bool(), num_emitted.to(self.device).long())
         self._feed(emitted.to(self.device).long(), num_emitted.to(self.device).long(), slots)
-        self._resolve()
+        self._resolve(slots)
 
     @torch.no_grad()
     def release(self, slots: Tensor) -> None:
@@ -270,20 +270,23 @@ class CounterfactualScorer:
         self.cont[slots] = padded[..., :width]
         self.known[slots] = torch.where(self.active[slots], (known + num[:, None]).clamp(max=width), known)
 
-    def _resolve(self) -> None:
-        cont = self.cont[:, :, None, :].expand(-1, -1, len(self.candidates), -1)
-        match = _match(self.tokens, self.depths, self.parents, cont)  # [S, R, C]
-        known = self.known[:, :, None]
-        final = (match < known) | (known >= self.max_depth)
-        done = self.active & final.all(dim=-1)
+    def _resolve(self, slots: Tensor) -> None:
+        """Score the batch's pending rounds whose counts are final (only these slots got tokens)."""
+        c = len(self.candidates)
+        cont = self.cont[slots][:, :, None, :].expand(-1, -1, c, -1)
+        match = _match(self.tokens[slots], self.depths[slots], self.parents[slots], cont)  # [b, R, C]
+        known = self.known[slots][:, :, None]
+        final = (match < known) | (known >= self.max_depth[slots])
+        active = self.active[slots]
+        done = active & final.all(dim=-1)
         counted = torch.where(done[:, :, None], match, torch.zeros_like(match))
         self.rounds_scored += done.sum()
         self.accepted += counted.sum(dim=(0, 1))
         self.accepted_sq += (counted * counted).sum(dim=(0, 1))
-        real = torch.where(done, self.real_tokens, torch.zeros_like(self.real_tokens))
+        real = torch.where(done, self.real_tokens[slots], torch.zeros_like(done, dtype=torch.long))
         self.real_emitted += real.sum()
         self.round_weight += (real[:, :, None].double() / (match + 1).double()).sum(dim=(0, 1))
-        self.active &= ~done
+        self.active[slots] = active & ~done
 
     # ------------------------------------------------------------------ read-out
 
