@@ -187,7 +187,8 @@ class CounterfactualScorer:
         return [build_tree_from_topk(top, c.budget, topk_cap=c.topk_cap) for c in self.candidates]
 
     def top_from_logits(self, draft_logits: Tensor) -> DraftTopK:
-        """The top-K the widest candidate needs, from full draft logits ``[b, L, V]``."""
+        """The top-K the widest candidate needs, from full draft logits ``[b, L, V]`` (the lab engine's
+        path: ``stable_topk`` reads a count back to the host; the plugin's head hands a DraftTopK)."""
         k = min(self.max_budget, int(draft_logits.shape[-1]))
         lp, ids = topk_log_probs(draft_logits, k)
         return DraftTopK(lp, ids, torch.logsumexp(draft_logits.float(), dim=-1))

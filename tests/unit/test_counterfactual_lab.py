@@ -145,6 +145,20 @@ def test_the_lab_server_exposes_the_counters_on_its_metrics(models: Path) -> Non
     real_emitted = samples[("sglang:ddtree_counterfactual_real_emitted_tokens_total", None)]
     assert real_emitted == snap["real_emitted"] > 0
 
+    # The same text is what `ddtree tune` reads: a recommendation with both settings priced.
+    from ddtree_runtime.health import counterfactual as cf
+    from ddtree_runtime.planner import tune
+
+    counts = cf.parse_metrics(lab.metrics.render().decode())
+    assert counts["rounds_scored"] == snap["rounds_scored"]
+    settings = [
+        tune.Setting(e.label, e.tokens_per_round, e.tokens_per_round_se) for e in cf.estimates(counts)
+    ]
+    rec = tune.recommend(settings, concurrency=3, current="chain", rounds=snap["rounds_scored"], min_rounds=1)
+    assert {r["setting"] for r in rec["table"]} == {"chain", "16"}
+    chain_row = next(r for r in rec["table"] if r["setting"] == "chain")
+    assert chain_row["tokens_per_round"] == pytest.approx(snap["real_emitted"] / snap["rounds_scored"])
+
 
 @pytest.mark.parametrize(
     ("flags", "words"),
