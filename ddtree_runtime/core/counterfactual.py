@@ -164,7 +164,7 @@ class CounterfactualScorer:
         self.depths = torch.zeros((s, r, c, m), **long)
         self.parents = torch.full((s, r, c, m), -1, **long)
         self.max_depth = torch.zeros((s, r, c), **long)
-        self.cont = torch.full((s, r, ring_width(horizon)), -1, **long)
+        self.cont = torch.full((s, r, self.horizon), -1, **long)  # the deepest a tree reaches
         self.known = torch.zeros((s, r), **long)
         self.real_tokens = torch.zeros((s, r), **long)  # tokens the real round emitted (accepted + 1)
         self.active = torch.zeros((s, r), dtype=torch.bool, device=self.device)
@@ -204,7 +204,9 @@ class CounterfactualScorer:
     ) -> None:
         """One decode round of the batch rows ``slots [b]``.
 
-        ``top`` is this round's drafter top-K ``[b, L, K]`` (rooted at the token before ``emitted``);
+        ``top`` is this round's drafter top-K ``[b, L, K]`` (rooted at the token before ``emitted``),
+        with K >= min(widest candidate's budget, V): a head that ranks fewer (a budget-16 server's)
+        would give the wider candidates narrower trees than they build. ``slots`` are distinct.
         ``sample [b]`` bool says which rows' rounds to score (None or ``top`` None: none);
         ``emitted [b, >=1]`` / ``num_emitted [b]`` are the target's tokens this round committed, in
         order. New pending rounds are registered before the tokens are fed: this round's own emitted
@@ -326,8 +328,3 @@ class CounterfactualScorer:
                 for c, a, q, w in zip(self.candidates, acc, sq, weight, strict=True)
             ],
         }
-
-
-def ring_width(horizon: int) -> int:
-    """Continuation tokens kept per pending round: the deepest a tree can reach."""
-    return int(horizon)
