@@ -115,7 +115,9 @@ def _report(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
         concurrency = max(1.0, running or 1.0)
         concurrency_source = "sglang:num_running_reqs (a snapshot: pass --concurrency for the host's usual)"
     table = _round_table(args.round_ms_json) if args.round_ms_json else None
-    settings = [tune.Setting(e.label, e.tokens_per_round, e.tokens_per_round_se) for e in est]
+    settings = [
+        tune.Setting(e.label, e.tokens_per_round, e.tokens_per_round_se, e.paired_se, e.running) for e in est
+    ]
     rounds = int(counts["rounds_scored"])
     rec = tune.recommend(settings, concurrency=concurrency, current=current, rounds=rounds, gpu=args.gpu,
                          tp=args.tp, table=table, min_rounds=args.min_rounds)  # fmt: skip
@@ -153,11 +155,15 @@ def _print(rec: dict[str, Any]) -> None:
         print(f"best: {rec['recommended']} (the current setting is unknown or unpriced: pass --current)")
     elif rec["change"]:
         gain = f"{rec['gain'] * 100:+.1f} % tokens/s ± {rec['gain_se'] * 100:.1f} %"
-        print(f"recommend: {rec['recommended']} instead of {rec['current']}: {gain} (1 s.e., rounds sampled)")
+        how = rec["gain_se_method"]
+        print(f"recommend: {rec['recommended']} instead of {rec['current']}: {gain} (1 s.e., {how})")
+    elif rec["gain_se_method"] == "none":
+        print(f"keep: {rec['current']} (the best setting here)")
     else:
         best = max(rec["table"], key=lambda r: r["tokens_per_s"])["setting"]
         gain = f"{rec['gain'] * 100:+.1f} % ± {rec['gain_se'] * 100:.1f} %"
-        print(f"keep: {rec['current']} (best is {best}, {gain}: not two standard errors clear of zero)")
+        print(f"keep: {rec['current']} (best is {best}, {gain} ({rec['gain_se_method']}): "
+              "not two standard errors clear of zero)")  # fmt: skip
     if "host_vars" in rec:
         if rec["host_vars"] is None:
             print("host_vars: no change")

@@ -179,6 +179,10 @@ class CounterfactualScorer:
         # the sum of (real tokens / candidate tokens), in fp64 (exact for any realistic count).
         self.real_emitted = torch.zeros((), **long)
         self.round_weight = torch.zeros((c,), dtype=torch.float64, device=self.device)
+        # For the spread of a candidate against the running setting on the same rounds (paired):
+        # sum of real tokens squared, and per candidate sum of accepted x real tokens.
+        self.real_emitted_sq = torch.zeros((), **long)
+        self.accepted_x_real = torch.zeros((c,), **long)
 
     # ------------------------------------------------------------------ per round
 
@@ -288,6 +292,8 @@ class CounterfactualScorer:
         self.accepted_sq += (counted * counted).sum(dim=(0, 1))
         real = torch.where(done, self.real_tokens[slots], torch.zeros_like(done, dtype=torch.long))
         self.real_emitted += real.sum()
+        self.real_emitted_sq += (real * real).sum()
+        self.accepted_x_real += (counted * real[:, :, None]).sum(dim=(0, 1))
         self.round_weight += (real[:, :, None].double() / (match + 1).double()).sum(dim=(0, 1))
         self.active[slots] = active & ~done
 
@@ -295,8 +301,9 @@ class CounterfactualScorer:
 
     def snapshot(self) -> dict:
         """Host copy of the counters (the only host sync): ``{"rounds_scored", "rounds_sampled",
-        "rounds_dropped", "rounds_discarded", "pending", "real_emitted", "candidates": [{"label",
-        "budget", "topk_cap", "accepted", "accepted_sq", "round_weight", "tokens_per_round"}]}``.
+        "rounds_dropped", "rounds_discarded", "pending", "real_emitted", "real_emitted_sq",
+        "candidates": [{"label", "budget", "topk_cap", "accepted", "accepted_sq", "round_weight",
+        "accepted_x_real", "tokens_per_round"}]}``.
 
         ``accepted / rounds_scored`` is the candidate's mean acceptance on the rounds this server
         happened to start; a server running the candidate starts its rounds elsewhere (it skips what
@@ -306,7 +313,7 @@ class CounterfactualScorer:
         constant over each real round's span (docs/counterfactual-acceptance.md).
         """
         acc, sq = self.accepted.tolist(), self.accepted_sq.tolist()
-        weight = self.round_weight.tolist()
+        weight, cross = self.round_weight.tolist(), self.accepted_x_real.tolist()
         real = int(self.real_emitted)
         return {
             "rounds_scored": int(self.rounds_scored),
@@ -315,6 +322,7 @@ class CounterfactualScorer:
             "rounds_discarded": int(self.rounds_discarded),
             "pending": int(self.active.sum()),
             "real_emitted": real,
+            "real_emitted_sq": int(self.real_emitted_sq),
             "candidates": [
                 {
                     "label": c.label,
@@ -323,8 +331,9 @@ class CounterfactualScorer:
                     "accepted": a,
                     "accepted_sq": q,
                     "round_weight": w,
+                    "accepted_x_real": x,
                     "tokens_per_round": real / w if w > 0 else None,
                 }
-                for c, a, q, w in zip(self.candidates, acc, sq, weight, strict=True)
+                for c, a, q, w, x in zip(self.candidates, acc, sq, weight, cross, strict=True)
             ],
         }

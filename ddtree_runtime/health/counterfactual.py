@@ -16,14 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from ddtree_runtime.health import http_client
 
 PREFIX = "sglang:ddtree_counterfactual_"
-ROUND_FIELDS = (
-    "rounds_scored",
-    "rounds_sampled",
-    "rounds_dropped",
-    "rounds_discarded",
-    "real_emitted_tokens",
-)
-BUDGET_FIELDS = ("accepted_tokens", "accepted_tokens_squared", "round_weight")
+ROUND_FIELDS = ("rounds_scored", "rounds_sampled", "rounds_dropped", "rounds_discarded",
+                "real_emitted_tokens", "real_emitted_tokens_squared")  # fmt: skip
+BUDGET_FIELDS = ("accepted_tokens", "accepted_tokens_squared", "round_weight", "accepted_tokens_x_real")
 CHAIN = "chain"
 
 
@@ -87,6 +82,10 @@ class Estimate:
     sd_accepted: float  # their spread, round to round
     tokens_per_round: float  # renewal-weighted: what a server running it would emit per round
     tokens_per_round_se: float  # its standard error from the rounds sampled
+    # Paired with the setting the server runs, round by round: d = (accepted + 1) - real tokens.
+    paired_mean: float = 0.0
+    paired_se: float = 0.0  # standard error of mean d: the difference's own noise, smaller than either's
+    running: bool = False  # d is 0 on every round: this is the setting the server runs
 
     @property
     def budget(self) -> int | None:
@@ -103,6 +102,9 @@ class Estimate:
             "sd_accepted": self.sd_accepted,
             "tokens_per_round": self.tokens_per_round,
             "tokens_per_round_se": self.tokens_per_round_se,
+            "paired_mean": self.paired_mean,
+            "paired_se": self.paired_se,
+            "running": self.running,
         }
 
 
@@ -115,16 +117,25 @@ def estimates(counts: dict[str, Any]) -> list[Estimate]:
     """
     n = int(counts["rounds_scored"])
     real = float(counts["real_emitted_tokens"])
+    real_sq = float(counts.get("real_emitted_tokens_squared", 0.0))
     if n <= 0:
         return []
     out = []
     for label, c in sorted(counts["budgets"].items(), key=lambda kv: _order(kv[0])):
-        mean = c["accepted_tokens"] / n
-        var = max(c["accepted_tokens_squared"] / n - mean * mean, 0.0)
+        acc, acc_sq = c["accepted_tokens"], c["accepted_tokens_squared"]
+        mean = acc / n
+        var = max(acc_sq / n - mean * mean, 0.0)
         sd = math.sqrt(var * n / (n - 1)) if n > 1 else 0.0
         tpr = real / c["round_weight"] if c["round_weight"] > 0 else mean + 1
         se = tpr * (sd / math.sqrt(n)) / (mean + 1)
-        out.append(Estimate(label, n, mean, sd, tpr, se))
+        # d = (a + 1) - r per round: sum d = A + N - R, sum d^2 = Q + N + S + 2A - 2X - 2R.
+        cross = c.get("accepted_tokens_x_real", 0.0)
+        d_sum = acc + n - real
+        d_sq = acc_sq + n + real_sq + 2 * acc - 2 * cross - 2 * real
+        d_mean = d_sum / n
+        d_var = max(d_sq / n - d_mean * d_mean, 0.0) * (n / (n - 1) if n > 1 else 0.0)
+        running = d_sum == 0 and d_sq == 0 and real_sq > 0
+        out.append(Estimate(label, n, mean, sd, tpr, se, d_mean, math.sqrt(d_var / n), running))
     return out
 
 

@@ -52,6 +52,10 @@ class Setting:
     label: str
     tokens_per_round: float
     tokens_per_round_se: float
+    # The standard error of this setting's tokens per round minus the running setting's, measured on
+    # the same rounds (None: not paired), and whether this is the setting the server runs.
+    paired_se: float | None = None
+    running: bool = False
 
 
 def _interp(table: Mapping[int, float], c: float) -> float:
@@ -138,7 +142,8 @@ def recommend(settings: list[Setting], *, concurrency: float, current: str | Non
         rel = s.tokens_per_round_se / s.tokens_per_round if s.tokens_per_round > 0 else 0.0
         rows.append({"setting": s.label, "tokens_per_round": s.tokens_per_round,
                      "tokens_per_round_se": s.tokens_per_round_se, "round_ms": ms,
-                     "tokens_per_s": tps, "tokens_per_s_se": tps * rel})  # fmt: skip
+                     "tokens_per_s": tps, "tokens_per_s_se": tps * rel, "paired_se": s.paired_se,
+                     "running": s.running})  # fmt: skip
     if not rows:
         raise ValueError("no measured setting has a round cost on this GPU (see --round-ms-json)")
     best = max(rows, key=lambda r: r["tokens_per_s"])
@@ -147,17 +152,25 @@ def recommend(settings: list[Setting], *, concurrency: float, current: str | Non
                            "current": current, "recommended": best["setting"], "table": rows}  # fmt: skip
     if cur is not None:
         gain = best["tokens_per_s"] / cur["tokens_per_s"] - 1
-        rel_b = best["tokens_per_s_se"] / best["tokens_per_s"]
-        rel_c = cur["tokens_per_s_se"] / cur["tokens_per_s"]
-        se = (1 + gain) * math.hypot(rel_b, rel_c) if best is not cur else 0.0
+        if best is cur:
+            se, how = 0.0, "none"
+        elif cur["running"] and best["paired_se"] is not None:
+            # Both measured on the same rounds: the ratio's noise is the difference's, relative to the
+            # best's tokens per round (first order), much less than the two errors combined.
+            se, how = (1 + gain) * best["paired_se"] / best["tokens_per_round"], "paired"
+        else:
+            rel_b = best["tokens_per_s_se"] / best["tokens_per_s"]
+            rel_c = cur["tokens_per_s_se"] / cur["tokens_per_s"]
+            se, how = (1 + gain) * math.hypot(rel_b, rel_c), "independent"
         out["gain"] = gain
         out["gain_se"] = se
+        out["gain_se_method"] = how
         # Act only on a gain two standard errors clear of zero; otherwise keep what runs.
         out["change"] = best is not cur and gain - 2 * se > 0
         if not out["change"]:
             out["recommended"] = current
     else:
-        out["gain"] = out["gain_se"] = None
+        out["gain"] = out["gain_se"] = out["gain_se_method"] = None
         out["change"] = current is None or current != best["setting"]
     return out
 

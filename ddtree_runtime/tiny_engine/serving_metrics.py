@@ -74,12 +74,15 @@ COUNTERFACTUAL_ROUNDS = {
     "rounds_dropped": "Sampled rounds dropped: the request's ring of pending rounds was full",
     "rounds_discarded": "Sampled rounds discarded: the request ended before they resolved",
     "real_emitted_tokens": "Tokens the scored rounds emitted for real (accepted + bonus)",
+    "real_emitted_tokens_squared": "Sum over scored rounds of the squared real tokens (for the spread)",
 }
 COUNTERFACTUAL_PER_BUDGET = {
     "accepted_tokens": "Drafted tokens each candidate budget would have accepted on the scored rounds",
     "accepted_tokens_squared": "Sum over scored rounds of the squared accepted count (for the spread)",
     "round_weight": "Sum over scored rounds of real tokens / (candidate accepted + 1): the rounds the "
     "candidate would have needed for those tokens",
+    "accepted_tokens_x_real": "Sum over scored rounds of accepted x real tokens (paired spread against "
+    "the running setting)",
 }
 
 
@@ -97,13 +100,13 @@ class CounterfactualCollector:
         if snap is None:
             return
         names, values = list(self.labels), list(self.labels.values())
-        keys = {"real_emitted_tokens": "real_emitted"}
+        keys = {"real_emitted_tokens": "real_emitted", "real_emitted_tokens_squared": "real_emitted_sq"}
         for suffix, doc in COUNTERFACTUAL_ROUNDS.items():
             fam = CounterMetricFamily(f"sglang:ddtree_counterfactual_{suffix}", doc, labels=names)
             fam.add_metric(values, float(snap[keys.get(suffix, suffix)]))
             yield fam
         fields = {"accepted_tokens": "accepted", "accepted_tokens_squared": "accepted_sq",
-                  "round_weight": "round_weight"}  # fmt: skip
+                  "round_weight": "round_weight", "accepted_tokens_x_real": "accepted_x_real"}  # fmt: skip
         for suffix, doc in COUNTERFACTUAL_PER_BUDGET.items():
             name = f"sglang:ddtree_counterfactual_{suffix}"
             fam = CounterMetricFamily(name, doc, labels=[*names, "budget"])

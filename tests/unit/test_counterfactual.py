@@ -197,7 +197,7 @@ def test_renewal_weighting_counts_each_real_round_for_the_tokens_it_covered() ->
     s.observe(top, second[None], torch.tensor([1]), slot, yes)
     s.observe(None, second[None, 1:], torch.tensor([L - 1]), slot, None)
     snap = s.snapshot()
-    assert (snap["rounds_scored"], snap["real_emitted"]) == (2, 4)
+    assert (snap["rounds_scored"], snap["real_emitted"], snap["real_emitted_sq"]) == (2, 4, 3 * 3 + 1 * 1)
     tree16 = build_tree(logits, 16)
     m = [_brute_depth(tree16, 0, first.tolist()), _brute_depth(tree16, 0, second.tolist())]
     chain, tree = snap["candidates"]
@@ -205,5 +205,6 @@ def test_renewal_weighting_counts_each_real_round_for_the_tokens_it_covered() ->
     assert chain["tokens_per_round"] == pytest.approx(
         2.0
     )  # the running setting: its real 4 tokens / 2 rounds
-    assert tree["accepted"] == sum(m)
+    assert chain["accepted_x_real"] == 2 * 3 + 0 * 1
+    assert tree["accepted"] == sum(m) and tree["accepted_x_real"] == m[0] * 3 + m[1] * 1
     assert tree["round_weight"] == pytest.approx(3 / (m[0] + 1) + 1 / (m[1] + 1))

@@ -156,6 +156,8 @@ def test_the_lab_server_exposes_the_counters_on_its_metrics(models: Path) -> Non
     ]
     rec = tune.recommend(settings, concurrency=3, current="chain", rounds=snap["rounds_scored"], min_rounds=1)
     assert {r["setting"] for r in rec["table"]} == {"chain", "16"}
+    # The server runs the chain: its candidate pairs with the real rounds exactly (difference 0 each round).
+    assert [(e.label, e.running) for e in cf.estimates(counts)] == [("chain", True), ("16", False)]
     chain_row = next(r for r in rec["table"] if r["setting"] == "chain")
     assert chain_row["tokens_per_round"] == pytest.approx(snap["real_emitted"] / snap["rounds_scored"])
 

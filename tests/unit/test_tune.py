@@ -20,12 +20,13 @@ from ddtree_runtime.planner import tune
 from ddtree_runtime.tiny_engine.serving_metrics import ServingMetrics
 
 
-def _snapshot(rounds: int, cands: dict[str, tuple[int, int, float]], real: int) -> dict:
+def _snapshot(rounds: int, cands: dict[str, tuple[int, int, float, int]], real: int, real_sq: int) -> dict:
+    """cands: label -> (accepted, accepted squared, round weight, accepted x real tokens)."""
     return {
         "rounds_scored": rounds, "rounds_sampled": rounds + 3, "rounds_dropped": 1, "rounds_discarded": 2,
-        "pending": 0, "real_emitted": real,
-        "candidates": [{"label": k, "accepted": a, "accepted_sq": q, "round_weight": w}
-                       for k, (a, q, w) in cands.items()],
+        "pending": 0, "real_emitted": real, "real_emitted_sq": real_sq,
+        "candidates": [{"label": k, "accepted": a, "accepted_sq": q, "round_weight": w, "accepted_x_real": x}
+                       for k, (a, q, w, x) in cands.items()],
     }  # fmt: skip
 
 
@@ -38,8 +39,8 @@ def _metrics_text(snap: dict) -> str:
 
 # 400 rounds; the chain accepted 1 token per round (all rounds alike), budget 16 accepted 2 on half the
 # rounds and 4 on the other half; the real server (running the chain) emitted 2 tokens a round.
-B16 = (1200, 200 * 4 + 200 * 16, 200 * 2 / 3 + 200 * 2 / 5)  # accepted, squares, renewal weight
-SNAP = _snapshot(400, {"chain": (400, 400, 400.0), "16": B16}, 800)
+B16 = (1200, 200 * 4 + 200 * 16, 200 * 2 / 3 + 200 * 2 / 5, 2 * 1200)  # accepted, squares, weight, x real
+SNAP = _snapshot(400, {"chain": (400, 400, 400.0, 800), "16": B16}, 800, 400 * 4)
 
 
 def test_the_counters_parse_back_and_the_estimates_follow_from_them() -> None:
@@ -55,6 +56,10 @@ def test_the_counters_parse_back_and_the_estimates_follow_from_them() -> None:
     # Renewal: 800 tokens over 200 x 2/3 + 200 x 2/5 rounds.
     assert b16.tokens_per_round == pytest.approx(800 / (200 * 2 / 3 + 200 * 2 / 5))
     assert b16.tokens_per_round_se == pytest.approx(b16.tokens_per_round * (b16.sd_accepted / 20) / 4)
+    # Paired with the running chain, round by round: d = (a + 1) - 2 is 1 or 3, half each.
+    assert chain.running and (chain.paired_mean, chain.paired_se) == (0, 0)
+    assert not b16.running and b16.paired_mean == pytest.approx(2)
+    assert b16.paired_se == pytest.approx(math.sqrt(400 / 399 / 400))
 
 
 def test_text_without_counters_or_with_broken_ones_is_refused() -> None:
@@ -98,6 +103,16 @@ def test_the_pick_weighs_acceptance_against_round_cost_and_its_noise() -> None:
     rec = tune.recommend([tune.Setting("chain", 2.0, 0.01), tune.Setting("16", 2.4, 0.01)], concurrency=4,
                          current="16", rounds=400)  # fmt: skip
     assert rec["recommended"] == "chain" and rec["change"] and rec["gain"] > 0
+    # Measured on the same rounds as the running chain, the difference's own noise decides: the same
+    # noisy figures, paired with a small spread of the difference, clear the bar.
+    paired = [tune.Setting("chain", 2.0, 0.2, 0.0, running=True), tune.Setting("16", 3.0, 0.3, 0.03)]
+    rec = tune.recommend(paired, concurrency=1, current="chain", rounds=400)
+    assert rec["recommended"] == "16" and rec["change"] and rec["gain_se_method"] == "paired"
+    assert rec["gain_se"] == pytest.approx((1 + rec["gain"]) * 0.03 / 3.0)
+    # Pairing needs the current setting to be the one the server ran: otherwise independent errors.
+    rec = tune.recommend([tune.Setting("chain", 2.0, 0.2, 0.5), tune.Setting("16", 3.0, 0.3, 0.03)],
+                         concurrency=1, current="chain", rounds=400)  # fmt: skip
+    assert rec["gain_se_method"] == "independent" and not rec["change"]
     with pytest.raises(tune.TooFewRounds, match="only 199 rounds"):
         tune.recommend(settings, concurrency=1, current="chain", rounds=199)
     assert tune.flag_overrides("chain") == {"speculative-ddtree-budget": 15, "speculative-ddtree-topk-cap": 1}
@@ -128,7 +143,7 @@ def test_the_verb_proposes_the_host_vars_change_and_writes_nothing(tmp_path: Pat
 
 def test_the_verb_refuses_too_few_rounds_missing_counters_and_bad_input(tmp_path: Path, capsys) -> None:
     few = tmp_path / "few.txt"
-    few.write_text(_metrics_text(_snapshot(20, {"chain": (20, 20, 20.0)}, 40)))
+    few.write_text(_metrics_text(_snapshot(20, {"chain": (20, 20, 20.0, 40)}, 40, 80)))
     assert main(["tune", "--metrics-file", str(few)]) == 1
     assert "only 20 rounds scored; 200 are needed" in capsys.readouterr().err
     none = tmp_path / "none.txt"
