@@ -20,6 +20,7 @@ _TOP_LEVEL = (
     "ddtree_runtime.health.metrics",
     "ddtree_runtime.ops.fleet",
     "ddtree_runtime.health.canary",
+    "ddtree_runtime.tune_cli",
 )
 _LAB = (
     "ddtree_runtime.tiny_engine.cli",  # make-models, serve, bench (host side)

@@ -49,10 +49,11 @@ def group_of(nodeid: str) -> str:
 # here. A test in them that starts a process fails (`_fast_tests_start_no_process`), so the list cannot
 # quietly turn slow; a new fast module is added here.
 FAST_MODULES = frozenset(f"tests/unit/{name}.py" for name in (
-    "test_contract", "test_import_graph", "test_lab_engine", "test_lab_hf_tokenizer", "test_lab_packages",
+    "test_contract", "test_counterfactual", "test_import_graph", "test_lab_engine", "test_lab_hf_tokenizer",
+    "test_lab_packages",
     "test_lossless", "test_metrics_exporter_role", "test_parallel_run", "test_report_file",
     "test_roles_argspec", "test_server_bench", "test_tree_build", "test_tree_cli", "test_tree_commit",
-    "test_tree_dispatch", "test_tree_sampling", "test_tree_verify",
+    "test_tree_dispatch", "test_tree_sampling", "test_tree_verify", "test_tune",
 ))  # fmt: skip
 
 

@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import datetime as dt
 import fcntl
+import math
 import os
 import re
 import subprocess
@@ -28,6 +29,7 @@ from prometheus_client import CollectorRegistry, generate_latest, start_http_ser
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ddtree_runtime.core.contract import ContractError, read_json_file
+from ddtree_runtime.health import counterfactual as cf
 from ddtree_runtime.health.report_file import write_json_atomic
 
 DEFAULT_STATE_ROOT = "/var/lib/ddtree"
@@ -147,7 +149,7 @@ class DDTreeCollector:
 
     def _units(self) -> list[str]:
         found: set[str] = set()
-        for sub in ("probe", "state", "rollout"):
+        for sub in ("probe", "state", "rollout", "counterfactual"):
             try:
                 found |= {p.stem for p in (self.root / sub).glob("*.json")}
             except OSError as exc:
@@ -193,9 +195,12 @@ class DDTreeCollector:
         rollouts = CounterMetricFamily("ddtree_rollouts", "rollouts by outcome", labels=["unit", "outcome"])
         restarts = CounterMetricFamily("ddtree_unit_restarts", "automatic restarts systemd made (NRestarts)",
                                        labels=["unit"])
+        cf_families = _counterfactual_families()
         families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {**g, "rollouts": rollouts}
+        families.update(cf_families)
         for unit in self._units():
-            for sub, read in (("probe", self._probe), ("state", self._state), ("rollout", self._rollout)):
+            for sub, read in (("probe", self._probe), ("state", self._state), ("rollout", self._rollout),
+                              ("counterfactual", self._counterfactual)):
                 path = self.root / sub / f"{unit}.json"
                 try:
                     samples = read(unit, path)
@@ -214,6 +219,27 @@ class DDTreeCollector:
         yield from g.values()
         yield rollouts
         yield restarts
+        yield from cf_families.values()
+
+    def _counterfactual(self, unit: str, path: Path) -> list[Sample]:
+        doc = _read_json(path)
+        if doc is None:
+            return []
+        counts = _obj(doc, "counts", path)
+        try:
+            text_counts = _counts_from_state(counts)
+            est = cf.estimates(text_counts)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise BadStateFile(f"state file {path}: counts are not the scorer's: {exc}") from None
+        out: list[Sample] = [("cf_rounds_scored", [unit], float(text_counts["rounds_scored"]))]
+        if (stamp := _num(doc.get("time"))) is not None:
+            out.append(("cf_timestamp_seconds", [unit], stamp))
+        for label, c in sorted(text_counts["budgets"].items()):
+            out.append(("cf_accepted_tokens", [unit, _label(label)], c["accepted_tokens"]))
+        for e in est:
+            out.append(("cf_tokens_per_round", [unit, _label(e.label)], e.tokens_per_round))
+            out.append(("cf_tokens_per_round_stderr", [unit, _label(e.label)], e.tokens_per_round_se))
+        return out
 
     def _probe(self, unit: str, path: Path) -> list[Sample]:
         rep = _read_json(path)
@@ -290,6 +316,54 @@ class DDTreeCollector:
         if (stamp := _num(last.get("time"))) is not None:
             out.append(("rollout_last_timestamp_seconds", [unit], stamp))
         return out
+
+
+def _counterfactual_families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
+    """What each candidate budget would have accepted on the unit's own traffic (the server's counters
+    as `ddtree metrics record-counterfactual` last stored them; docs/counterfactual-acceptance.md)."""
+    return {
+        "cf_rounds_scored": CounterMetricFamily(
+            "ddtree_counterfactual_rounds_scored", "sampled rounds scored for every candidate budget",
+            labels=["unit"]),
+        "cf_accepted_tokens": CounterMetricFamily(
+            "ddtree_counterfactual_accepted_tokens", "drafted tokens each budget would have accepted on the "
+            "scored rounds (budget chain = top-k cap 1)", labels=["unit", "budget"]),
+        "cf_tokens_per_round": GaugeMetricFamily(
+            "ddtree_counterfactual_tokens_per_round", "tokens per round a server running the budget would "
+            "emit on this traffic (renewal-weighted estimate)", labels=["unit", "budget"]),
+        "cf_tokens_per_round_stderr": GaugeMetricFamily(
+            "ddtree_counterfactual_tokens_per_round_stderr", "standard error of that estimate from the "
+            "rounds sampled", labels=["unit", "budget"]),
+        "cf_timestamp_seconds": GaugeMetricFamily(
+            "ddtree_counterfactual_timestamp_seconds", "when the counters were last read from the server",
+            labels=["unit"]),
+    }  # fmt: skip
+
+
+def _counts_from_state(counts: dict[str, Any]) -> dict[str, Any]:
+    """The stored counts, checked: finite counts >= 0 (a state file is input like any other)."""
+    def count(value: Any, what: str) -> float:
+        v = _num(value)
+        if v is None or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{what} must be a count, got {repr(value)[:40]}")
+        return v
+
+    out: dict[str, Any] = {k: count(counts[k], k) for k in cf.ROUND_FIELDS}
+    budgets = counts["budgets"]
+    if not isinstance(budgets, dict):
+        raise ValueError("budgets must be an object")
+    out["budgets"] = {str(label)[:40]: {k: count(b[k], f"{label}.{k}") for k in cf.BUDGET_FIELDS}
+                      for label, b in budgets.items()}  # fmt: skip
+    return out
+
+
+def record_counterfactual(state_root: str, unit: str, url: str, *, timeout: float = 10.0) -> Path:
+    """Read the server's counterfactual counters from its /metrics into ROOT/counterfactual/UNIT.json."""
+    counts = cf.parse_metrics(cf.fetch_metrics(url, timeout=timeout))
+    path = Path(state_root) / "counterfactual" / f"{_checked_unit(unit)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic({"url": url, "time": time.time(), "counts": counts}, path)
+    return path
 
 
 def build_registry(state_root: str = DEFAULT_STATE_ROOT, *, systemd: bool = True,
@@ -389,6 +463,8 @@ def _run(args: argparse.Namespace) -> int:
                            profile=args.profile, cause=args.cause)
         elif verb == "record-probe":
             record_probe(args.state_dir, args.unit, args.report)
+        elif verb == "record-counterfactual":
+            record_counterfactual(args.state_dir, args.unit, args.url, timeout=args.timeout)
         elif verb == "show":
             sys.stdout.write(generate_latest(build_registry(collector=collector)).decode())
             _warn_bad_files(collector, verb)
@@ -430,4 +506,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     rp = sub.add_parser("record-probe", parents=[common], help="store a report as the unit's last probe")
     rp.add_argument("--unit", required=True)
     rp.add_argument("--report", required=True, help="JSON report of `ddtree probe ... --json`")
+    rc = sub.add_parser("record-counterfactual", parents=[common],
+                        help="store the server's counterfactual acceptance counters for a unit")
+    rc.add_argument("--unit", required=True)
+    rc.add_argument("--url", required=True, help="the unit's server, e.g. http://127.0.0.1:30000")
+    rc.add_argument("--timeout", type=float, default=10.0, help="seconds for the /metrics request")
     p.set_defaults(func=_run)

@@ -297,6 +297,8 @@ class Row:
     accept_length: float | None = None
     gpu_memory: list[dict] | None = field(default=None)
     rotation: list[str] | None = None  # "ROUTER: in | out | in (unhealthy)" per router in front of the host
+    # {"rounds", "tokens_per_round": {budget: float}}: docs/counterfactual-acceptance.md
+    counterfactual: dict | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -331,6 +333,15 @@ def _gpu_rows(value: Any) -> list[dict] | None:
     return rows
 
 
+def _counterfactual(value: Any) -> dict | None:
+    value = _dict(value)
+    rounds, per = _as(float, value.get("rounds")), _dict(value.get("tokens_per_round"))
+    if rounds is None:
+        return None
+    tpr = {str(k)[:20]: v for k, v in list(per.items())[:16] if _as(float, v) is not None}
+    return {"rounds": int(rounds), "tokens_per_round": tpr}
+
+
 def rows_from_facts(host: str, facts: Any, units: list[str]) -> list[Row]:
     """The table's rows from one host's answer; fields of the wrong type become '-', and an answer
     that is not the fact script's object is an error row for that host alone."""
@@ -356,6 +367,7 @@ def rows_from_facts(host: str, facts: Any, units: list[str]) -> list[Row]:
             deployed_at=_as(str, state.get("deployed_at")), probe_ok=_as(bool, probe.get("ok")),
             probe_cause=_as(str, probe.get("cause")), probe_time=_as(float, probe.get("time")),
             accept_length=_as(float, probe.get("accept_length")), gpu_memory=_gpu_rows(facts.get("gpus")),
+            counterfactual=_counterfactual(u.get("counterfactual")),
         ))
     return rows
 
@@ -474,6 +486,14 @@ def _cell(row: Row, key: str, now: float) -> str:
         return "-" if row.accept_length is None else f"{row.accept_length:.2f}"
     if key == "rotation":
         return "-" if row.rotation is None else "; ".join(row.rotation)
+    if key == "counterfactual":
+        cf = row.counterfactual
+        if not cf or not cf["tokens_per_round"]:
+            return "-"
+        tpr = cf["tokens_per_round"]
+        order = sorted(tpr, key=lambda k: (k != "chain", int(k) if k.isdigit() else 1 << 30))
+        cells = " ".join(f"{k}:{tpr[k]:.2f}" for k in order)
+        return f"{cells} ({cf['rounds']} rounds)"
     if key == "gpu":
         if not row.gpu_memory:
             return "-" if row.gpu_memory is None else "nvidia-smi failed"
@@ -485,7 +505,8 @@ def _cell(row: Row, key: str, now: float) -> str:
 
 COLUMNS = (("HOST", "host"), ("UNIT", "unit"), ("STATE", "active"), ("UP", "uptime"),
            ("RESTARTS", "restarts"), ("PROFILE", "profile"), ("RELEASE", "release"),
-           ("LAST PROBE", "probe"), ("ACCEPT", "accept"), ("ROTATION", "rotation"), ("GPU MEM", "gpu"))
+           ("LAST PROBE", "probe"), ("ACCEPT", "accept"), ("EST TOK/ROUND", "counterfactual"),
+           ("ROTATION", "rotation"), ("GPU MEM", "gpu"))
 
 
 def format_table(rows: list[Row], now: float | None = None) -> str:

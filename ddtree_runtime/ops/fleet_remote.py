@@ -61,6 +61,24 @@ def last_probe(unit: str) -> dict | None:
     return {**{k: rep.get(k) for k in keep}, "accept_length": figures.get("accept_length")}
 
 
+def counterfactual(unit: str) -> dict | None:
+    """Rounds scored and, per budget, the tokens per round a server running it would emit (the
+    renewal-weighted estimate of docs/counterfactual-acceptance.md) from the stored counters."""
+    doc = _json(STATE_ROOT / "counterfactual" / f"{unit}.json")
+    counts = (doc or {}).get("counts")
+    if not isinstance(counts, dict) or not isinstance(counts.get("budgets"), dict):
+        return None
+    real, rounds = counts.get("real_emitted_tokens"), counts.get("rounds_scored")
+    if not isinstance(real, int | float) or not isinstance(rounds, int | float):
+        return None
+    per = {}
+    for label, b in list(counts["budgets"].items())[:16]:
+        weight = b.get("round_weight") if isinstance(b, dict) else None
+        if isinstance(weight, int | float) and not isinstance(weight, bool) and weight > 0:
+            per[str(label)[:20]] = round(real / weight, 3)
+    return {"rounds": rounds, "time": doc.get("time"), "tokens_per_round": per}
+
+
 def gpus() -> list[dict] | None:
     if shutil.which("nvidia-smi") is None:
         return None
@@ -85,7 +103,8 @@ def main(units: list[str]) -> None:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,99}", unit) or ".." in unit:
             continue  # never a path outside the state directories (the controller refuses such names)
         state = _json(STATE_ROOT / "state" / f"{unit}.json")
-        doc["units"][unit] = {"systemd": unit_facts(unit), "state": state, "probe": last_probe(unit)}
+        doc["units"][unit] = {"systemd": unit_facts(unit), "state": state, "probe": last_probe(unit),
+                              "counterfactual": counterfactual(unit)}
     json.dump(doc, sys.stdout)
 
 

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from ddtree_runtime.core.contract import ContractError, HiddenContract, check_hidden_states, load_contract
+from ddtree_runtime.core.counterfactual import Candidate, CounterfactualScorer
 from ddtree_runtime.core.tree import (
     DraftTree,
     build_tree,
@@ -133,6 +134,9 @@ class LabEngine:
         dtype: torch.dtype = torch.float32,
         fault: str | None = None,
         seed: int = 0,
+        counterfactual: list[Candidate] | None = None,
+        counterfactual_fraction: float = 0.0,
+        counterfactual_slots: int = 64,
     ) -> None:
         algorithm = algorithm.upper()
         if algorithm not in ALGORITHMS:
@@ -156,6 +160,21 @@ class LabEngine:
             self.mask_id = int(self.contract.mask_token_id if self.contract.mask_token_id is not None else 0)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self.stats = EngineStats()
+        self.counterfactual: CounterfactualScorer | None = None
+        self.counterfactual_fraction = float(counterfactual_fraction)
+        if not 0.0 <= self.counterfactual_fraction <= 1.0:
+            raise ValueError(f"counterfactual fraction must be in [0, 1], got {counterfactual_fraction!r}")
+        if counterfactual and self.draft is not None and self.counterfactual_fraction > 0:
+            # Slots: one per running request (a request finding none is not scored); its own sampler
+            # so that scoring does not move the T > 0 walk's random stream.
+            self.counterfactual = CounterfactualScorer(
+                counterfactual,
+                horizon=self.block_size - 1,
+                num_slots=counterfactual_slots,
+                device=self.device,
+            )
+            self._cf_free = list(range(counterfactual_slots))
+            self._cf_generator = torch.Generator(device=self.device).manual_seed(seed + 1)
         # called after every decode round with (running requests, tokens held); the server logs from it
         self.on_round: Callable[[int, int], None] | None = None
 
@@ -212,7 +231,7 @@ class LabEngine:
         nxt = self._decide(logits, params)
         return nxt, torch.ones(b, dtype=torch.long, device=self.device), lens + 1, logits
 
-    def _spec_round(self, cache: KVCache, ds: _DraftState, lens: Tensor, roots: Tensor, params):
+    def _spec_round(self, cache: KVCache, ds: _DraftState, lens: Tensor, roots: Tensor, params, slots=None):
         draft_logits = ds.propose(lens, roots, self.target.model.embed_tokens, self.block_size, self.mask_id)
         if self.algorithm == "DDTREE":
             tree = build_tree(draft_logits, self.budget, topk_cap=self.topk_cap)
@@ -243,12 +262,45 @@ class LabEngine:
         cache.move_rows(src, dst)
         acc = walk.accepted.clamp(min=0)
         ds.pending = (feats.gather(1, acc[:, :, None].expand(-1, -1, feats.shape[-1])), walk.num_accepted)
+        if self.counterfactual is not None and slots is not None:
+            self._score_counterfactual(draft_logits, walk, slots, params)
         self.stats.verify_ct += b
         self.stats.accepted_sum += int(walk.num_accepted.sum())
         self.stats.last_accept_length = float(walk.num_accepted.float().mean())
         # The verify row of each accepted node decided the token emitted after it (return_logprob).
         deciding = logits.gather(1, acc[:, :, None].expand(-1, -1, logits.shape[-1]))
         return walk.emitted, walk.num_emitted, plan.new_len, deciding
+
+    def _score_counterfactual(self, draft_logits: Tensor, walk, slots: list[int | None], params) -> None:
+        """Sampled greedy rounds: every candidate's tree from this round's draft, scored as the output
+        arrives (core/counterfactual.py). T > 0 rows are not sampled (docs/counterfactual-acceptance.md)."""
+        rows = [i for i, s in enumerate(slots) if s is not None]
+        if not rows:
+            return
+        sel = torch.tensor(rows, device=self.device)
+        draw = torch.rand(len(rows), generator=self._cf_generator, device=self.device)
+        greedy = torch.tensor([params[i].greedy for i in rows], device=self.device)
+        sample = (draw < self.counterfactual_fraction) & greedy
+        slot_ids = torch.tensor([slots[i] for i in rows], device=self.device)
+        # The lab engine syncs every round anyway: it skips the trees when no row is sampled and the
+        # whole update when nothing is pending (the scorer itself never needs to).
+        if bool(sample.any()):
+            top = self.counterfactual.top_from_logits(draft_logits[sel])
+            self.counterfactual.observe(top, walk.emitted[sel], walk.num_emitted[sel], slot_ids, sample)
+        elif bool(self.counterfactual.active.any()):
+            self.counterfactual.observe(None, walk.emitted[sel], walk.num_emitted[sel], slot_ids, None)
+
+    def counterfactual_slot(self) -> int | None:
+        """A free scorer slot for a new request (None: not scoring, or every slot taken)."""
+        if self.counterfactual is None or not self._cf_free:
+            return None
+        return self._cf_free.pop()
+
+    def release_counterfactual_slot(self, slot: int | None) -> None:
+        if slot is None or self.counterfactual is None:
+            return
+        self.counterfactual.release(torch.tensor([slot], device=self.device))
+        self._cf_free.append(slot)
 
     @staticmethod
     def _recurrent_commit_rows(walk) -> Tensor:
@@ -343,6 +395,7 @@ class Request:
     tag: object = None  # the caller's handle
     output: list[int] = field(default_factory=list)
     logprob: LogprobRequest | None = None
+    cf_slot: int | None = None  # the counterfactual scorer's slot, while the request runs
 
 
 class RunningBatch:
@@ -401,6 +454,8 @@ class RunningBatch:
             if r.logprob is not None:
                 r.result.logprobs = record_prompt(r.logprob, logits[i, : len(r.prompt)], r.prompt)
                 r.result.logprobs.add_outputs(last[i : i + 1], [int(t)])
+        for r in todo:
+            r.cf_slot = eng.counterfactual_slot()
         draft = None
         if eng.draft is not None:
             draft = _DraftState(eng.draft, b, cache.capacity, eng.target.lm_head.weight)
@@ -442,7 +497,7 @@ class RunningBatch:
             emitted, nums, self.lens, deciding = eng._ar_round(self.cache, self.lens, self.roots, params)
         else:
             emitted, nums, self.lens, deciding = eng._spec_round(
-                self.cache, self.draft, self.lens, self.roots, params
+                self.cache, self.draft, self.lens, self.roots, params, [r.cf_slot for r in self.requests]
             )
             for r, k in zip(self.requests, nums.tolist(), strict=True):
                 r.result.verify_ct += 1
@@ -464,6 +519,8 @@ class RunningBatch:
             return []
         keep = [i for i, r in enumerate(self.requests) if r not in done]
         for r in done:
+            eng.release_counterfactual_slot(r.cf_slot)
+            r.cf_slot = None
             r.result.output_ids, r.result.finish_reason = eng._truncate(r.output, r.params)
             if r.result.logprobs is not None:
                 r.result.logprobs.keep_outputs(len(r.result.output_ids))

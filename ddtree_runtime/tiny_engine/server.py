@@ -63,7 +63,11 @@ class LabServer:
         self._inflight_lock = threading.Lock()
         self.term = threading.Event()  # SIGTERM/SIGINT: stop taking requests, drain
         self.stop = threading.Event()  # the scheduler's end (after the drain)
-        self.metrics = ServingMetrics(sargs["served_model_name"]) if sargs.get("enable_metrics") else None
+        self.metrics = (
+            ServingMetrics(sargs["served_model_name"], counterfactual=self.counterfactual)
+            if sargs.get("enable_metrics")
+            else None
+        )
         self.last_gen_throughput = 0.0
         self._scheduler: threading.Thread | None = None
         self._decode_steps = 0
@@ -71,6 +75,7 @@ class LabServer:
         self._window_start = time.monotonic()
         self._window_tokens = 0  # tokens of requests finished since the last decode log line
         self._held_tokens = 0
+        self._cf_snapshot: dict | None = None  # written by the scheduler thread, read by /metrics
 
     # ------------------------------------------------------------------ start-up
 
@@ -98,6 +103,9 @@ class LabServer:
             device=self.device,
             fault=self.plan.engine_fault,
             seed=sa["random_seed"] or 0,
+            counterfactual=self._counterfactual_candidates(),
+            counterfactual_fraction=sa["speculative_ddtree_counterfactual_fraction"],
+            counterfactual_slots=sa["max_running_requests"],
         )
         self.engine.on_round = self._on_round
         weights = self._weight_bytes()
@@ -160,6 +168,19 @@ class LabServer:
             )
         self.status = "ready"
         log.info("The server is fired up and ready to roll!")
+
+    def _counterfactual_candidates(self) -> list | None:
+        from ddtree_runtime.core.counterfactual import parse_candidates
+
+        sa = self.sargs
+        if sa["speculative_algorithm"] is None:
+            return None
+        block = sa["speculative_dflash_block_size"]
+        return parse_candidates(sa["speculative_ddtree_counterfactual_budgets"], block - 1)
+
+    def counterfactual(self) -> dict | None:
+        """The scorer's counters as of the last decode round (None: not scoring)."""
+        return self._cf_snapshot
 
     def _weight_bytes(self) -> int:
         mods = [self.engine.target] + ([self.engine.draft] if self.engine.draft is not None else [])
@@ -266,6 +287,9 @@ class LabServer:
         """SGLang logs a decode line every 40 decode steps; so does the lab, inside long batches."""
         self._decode_steps += 1
         self._held_tokens = tokens
+        if self.engine.counterfactual is not None:
+            # Read here, in the scheduler thread, so that a scrape never sees a half-updated round.
+            self._cf_snapshot = self.engine.counterfactual.snapshot()
         if self._decode_steps % DECODE_LOG_INTERVAL == 0:
             self._log_window(running)
 

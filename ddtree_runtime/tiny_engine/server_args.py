@@ -22,6 +22,8 @@ from dataclasses import dataclass
 DEFAULT_DEVICE_MEMORY_MB = 128
 DEFAULT_MEM_FRACTION = 0.85  # SGLang picks one from the GPU size when unset
 DEFAULT_MAX_RUNNING_DFLASH = 48  # SGLang's DFLASH default when --max-running-requests is unset
+DEFAULT_COUNTERFACTUAL_BUDGETS = "8,16,32,64,chain"
+DEFAULT_COUNTERFACTUAL_FRACTION = 0.05  # one greedy round in 20: ~400 rounds scored per 8k rounds served
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
@@ -66,6 +68,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-eagle-topk", type=int, default=None)
     p.add_argument("--speculative-ddtree-budget", type=int, default=None)
     p.add_argument("--speculative-ddtree-topk-cap", type=int, default=None)
+    # counterfactual acceptance (docs/counterfactual-acceptance.md): the budgets scored on a sampled
+    # fraction of greedy rounds, whatever the server decodes with; fraction 0 turns it off
+    p.add_argument("--speculative-ddtree-counterfactual-budgets", default=DEFAULT_COUNTERFACTUAL_BUDGETS)
+    p.add_argument(
+        "--speculative-ddtree-counterfactual-fraction", type=float, default=DEFAULT_COUNTERFACTUAL_FRACTION
+    )
     # mamba knobs (hybrid targets; accepted and reported: the lab's hybrid target keeps its GDN state in
     # full precision per request, with no separate cache pool)
     p.add_argument("--mamba-ssm-dtype", choices=["float32", "bfloat16", "float16"], default=None)
@@ -102,6 +110,17 @@ def resolve(args: argparse.Namespace, *, target_config: dict, draft_block_size: 
     if algo == "DDTREE" and budget < 1:
         raise ServerArgsError(f"--speculative-ddtree-budget must be >= 1, got {budget}")
     num_draft = {"DDTREE": budget + 1, "DFLASH": block, "NONE": None}[algo]
+    fraction = args.speculative_ddtree_counterfactual_fraction
+    if not 0.0 <= fraction <= 1.0:  # NaN fails this too
+        raise ServerArgsError(
+            f"--speculative-ddtree-counterfactual-fraction must be in [0, 1], got {fraction}"
+        )
+    try:
+        from ddtree_runtime.core.counterfactual import parse_candidates
+
+        parse_candidates(args.speculative_ddtree_counterfactual_budgets, block - 1)
+    except ValueError as exc:
+        raise ServerArgsError(f"--speculative-ddtree-counterfactual-budgets: {exc}") from None
     mrr = args.max_running_requests
     if mrr is None:
         mrr = DEFAULT_MAX_RUNNING_DFLASH if algo != "NONE" else 64

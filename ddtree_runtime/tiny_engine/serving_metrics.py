@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -12,7 +15,7 @@ _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 class ServingMetrics:
     """One registry per server (not the global one), so several servers can live in one test process."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, counterfactual: Callable[[], dict | None] | None = None) -> None:
         self.registry = CollectorRegistry()
         self.labels = {"model_name": model_name}
         names = list(self.labels)
@@ -57,6 +60,56 @@ class ServingMetrics:
             "sglang:ddtree_observed_hidden_width", "Hidden width the target handed over (0 = none yet)"
         )
         self.budget = gauge("sglang:ddtree_budget", "DDTree node budget (non-root nodes)")
+        if counterfactual is not None:
+            self.registry.register(CounterfactualCollector(counterfactual, self.labels))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# name suffix (after sglang:ddtree_counterfactual_) -> help; each a counter (``_total`` on the wire)
+COUNTERFACTUAL_ROUNDS = {
+    "rounds_scored": "Sampled rounds scored for every candidate budget",
+    "rounds_sampled": "Rounds sampled for counterfactual scoring",
+    "rounds_dropped": "Sampled rounds dropped: the request's ring of pending rounds was full",
+    "rounds_discarded": "Sampled rounds discarded: the request ended before they resolved",
+    "real_emitted_tokens": "Tokens the scored rounds emitted for real (accepted + bonus)",
+    "real_emitted_tokens_squared": "Sum over scored rounds of the squared real tokens (for the spread)",
+}
+COUNTERFACTUAL_PER_BUDGET = {
+    "accepted_tokens": "Drafted tokens each candidate budget would have accepted on the scored rounds",
+    "accepted_tokens_squared": "Sum over scored rounds of the squared accepted count (for the spread)",
+    "round_weight": "Sum over scored rounds of real tokens / (candidate accepted + 1): the rounds the "
+    "candidate would have needed for those tokens",
+    "accepted_tokens_x_real": "Sum over scored rounds of accepted x real tokens (paired spread against "
+    "the running setting)",
+}
+
+
+class CounterfactualCollector:
+    """Counters from the scorer's snapshot at each scrape (absolute values, so a custom collector)."""
+
+    def __init__(self, snapshot: Callable[[], dict | None], labels: dict[str, str]) -> None:
+        self.snapshot, self.labels = snapshot, labels
+
+    def describe(self) -> list[Metric]:
+        return []  # no fixed families: none until the first scored round
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.snapshot()
+        if snap is None:
+            return
+        names, values = list(self.labels), list(self.labels.values())
+        keys = {"real_emitted_tokens": "real_emitted", "real_emitted_tokens_squared": "real_emitted_sq"}
+        for suffix, doc in COUNTERFACTUAL_ROUNDS.items():
+            fam = CounterMetricFamily(f"sglang:ddtree_counterfactual_{suffix}", doc, labels=names)
+            fam.add_metric(values, float(snap[keys.get(suffix, suffix)]))
+            yield fam
+        fields = {"accepted_tokens": "accepted", "accepted_tokens_squared": "accepted_sq",
+                  "round_weight": "round_weight", "accepted_tokens_x_real": "accepted_x_real"}  # fmt: skip
+        for suffix, doc in COUNTERFACTUAL_PER_BUDGET.items():
+            name = f"sglang:ddtree_counterfactual_{suffix}"
+            fam = CounterMetricFamily(name, doc, labels=[*names, "budget"])
+            for cand in snap["candidates"]:
+                fam.add_metric([*values, cand["label"]], float(cand[fields[suffix]]))
+            yield fam

@@ -165,3 +165,23 @@ def test_routers_come_from_a_second_inventory_source_and_their_state_fills_the_r
     header, line = fleet.format_table([row]).splitlines()
     assert "ROTATION" in header.split() and "router1: out" in line
     assert fleet.ROUTER_PORT == 30080
+
+
+
+def test_the_table_shows_each_budgets_estimated_tokens_per_round(tmp_path: Path, monkeypatch, capsys):
+    root = tmp_path / "ddtree"
+    (root / "counterfactual").mkdir(parents=True)
+    budgets = {"16": {"round_weight": 260.0}, "chain": {"round_weight": 400.0}, "8": {"round_weight": 0}}
+    counts = {"rounds_scored": 400, "real_emitted_tokens": 800, "rounds_sampled": 403, "rounds_dropped": 0,
+              "rounds_discarded": 3, "budgets": budgets}  # fmt: skip
+    (root / "counterfactual" / "sglang-qwen.json").write_text(json.dumps({"time": 1.0, "counts": counts}))
+    (root / "counterfactual" / "sglang-qwen-shadow.json").write_text('{"counts": {"budgets": []}}')
+    monkeypatch.setattr(fleet_remote, "STATE_ROOT", root)
+    fleet_remote.main(["sglang-qwen", "sglang-qwen-shadow"])
+    facts = json.loads(capsys.readouterr().out)
+    live, shadow = fleet.rows_from_facts("ct129", facts, ["sglang-qwen", "sglang-qwen-shadow"])
+    want = {"16": round(800 / 260, 3), "chain": 2.0}  # budget 8's weight 0: no figure
+    assert live.counterfactual == {"rounds": 400, "tokens_per_round": want}
+    assert shadow.counterfactual is None  # a broken file: no figures, no crash
+    header, line, _shadow_line = fleet.format_table([live, shadow]).splitlines()
+    assert "EST TOK/ROUND" in header and "chain:2.00 16:3.08 (400 rounds)" in line

@@ -1,0 +1,187 @@
+"""`ddtree tune`'s arithmetic: a host's measured tokens per round per setting (chain or a tree budget,
+from the counterfactual counters) against a round-cost model per setting for its GPU, at its
+concurrency; the setting with the most tokens/s, the expected gain over the current one and its
+uncertainty. Stdlib only; the verb (``ddtree_runtime/tune_cli.py``) feeds it.
+
+Round costs (ms per decode round of the whole batch), Qwen3.6-27B's shape:
+
+* H200, measured (docs/bench/prod-shape.md, the real SGLang 0.5.23 server, CUDA graphs, fp32 SSM state):
+  chain (DFLASH's decode; DDTREE's top-k cap 1 runs the same) and budget 16 at concurrency 1 (decode
+  only: 22.7 / 31.3 ms), 4 and 16 (from tokens/s at acceptance 1.016: c x 1.016 / tok/s).
+* H200, modelled from those: budget 8 priced as 16 (not measured; its host gap and tree mask are the
+  same, the 8 GDN rows it saves are under 1 ms and not credited); budgets 32 and 64 as 16 plus the GDN
+  verify's extra time for their rows (docs/bench/gdn-tree-price.md, fp32 state: +8.5 ms at one request,
+  +37.4 ms at eight for 64; 32 one third of that), the attention and MLP cost of the extra rows not
+  counted (so larger trees look no worse than they are; they are rarely cheaper).
+* Other GPUs (``--gpu A6000``), modelled: the GPU part of each H200 round scaled by the memory-bandwidth
+  ratio (H200 4.8 TB/s over the GPU's, times the tensor-parallel size: decode at this shape reads the
+  weights every round), the host part (a tree round's 2.9 ms host gap at the H200, none for the chain)
+  kept as is; no all-reduce or PCIe cost. Not measured: a measured table (``--round-ms-json``) replaces it.
+
+Between measured concurrencies the cost is interpolated linearly, beyond the last it is extrapolated
+with the last segment's slope.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+CHAIN = "chain"
+MIN_ROUNDS = (
+    200  # below this the spread of the estimates is too wide to act on (docs/counterfactual-acceptance.md)
+)
+
+# ms per round at concurrency c, H200, Qwen3.6-27B shape (see module doc).
+H200_MEASURED: dict[str, dict[int, float]] = {
+    CHAIN: {1: 22.7, 4: 4 * 1.016 / 106.7 * 1e3, 16: 16 * 1.016 / 243.1 * 1e3},
+    "16": {1: 31.3, 4: 4 * 1.016 / 85.1 * 1e3, 16: 16 * 1.016 / 223.0 * 1e3},
+}
+TREE_HOST_GAP_MS = 31.3 - 25.3 - 3.1  # H200 budget-16 round minus its verify and drafter GPU windows
+# GDN verify time a 64-node tree adds over a 16-node one (fp32 state), at 1 and 8 requests.
+GDN_EXTRA_64_MS = {1: 10.66 - 2.15, 8: 47.01 - 9.66}
+BANDWIDTH_TBS = {"H200": 4.8, "H100": 3.35, "A100": 2.0, "A6000": 0.768, "L40S": 0.864}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A candidate as measured on the host: its label, tokens per round and that figure's std error."""
+
+    label: str
+    tokens_per_round: float
+    tokens_per_round_se: float
+    # The standard error of this setting's tokens per round minus the running setting's, measured on
+    # the same rounds (None: not paired), and whether this is the setting the server runs.
+    paired_se: float | None = None
+    running: bool = False
+
+
+def _interp(table: Mapping[int, float], c: float) -> float:
+    xs = sorted(table)
+    if len(xs) == 1:
+        return table[xs[0]] * c / xs[0]
+    if c <= xs[0]:
+        lo, hi = xs[0], xs[1]
+    elif c >= xs[-1]:
+        lo, hi = xs[-2], xs[-1]
+    else:
+        hi = next(x for x in xs if x >= c)
+        lo = xs[xs.index(hi) - 1]
+    slope = (table[hi] - table[lo]) / (hi - lo)
+    return max(table[lo] + slope * (c - lo), 1e-6)
+
+
+def _gdn_extra_ms(budget: int, c: float) -> float:
+    """GDN verify time a tree of ``budget`` nodes adds over budget 16 (linear in rows, in requests)."""
+    if budget <= 16:
+        return 0.0
+    one, eight = GDN_EXTRA_64_MS[1], GDN_EXTRA_64_MS[8]
+    extra64 = one + (eight - one) * (c - 1) / 7 if c <= 8 else eight * c / 8
+    return extra64 * (budget - 16) / 48
+
+
+def h200_round_ms(label: str, c: float) -> float:
+    """Modelled H200 round for a setting label (``chain`` or a budget) at concurrency ``c``."""
+    if label == CHAIN:
+        return _interp(H200_MEASURED[CHAIN], c)
+    budget = _budget(label)
+    return _interp(H200_MEASURED["16"], c) + _gdn_extra_ms(budget, c)
+
+
+def round_ms(label: str, c: float, *, gpu: str = "H200", tp: int = 1,
+             table: Mapping[str, Mapping[int, float]] | None = None) -> float:  # fmt: skip
+    """ms per round for a setting on a GPU kind at concurrency ``c`` (see the module doc)."""
+    if table is not None:
+        if label not in table:
+            raise KeyError(label)
+        return _interp(table[label], c)
+    h200 = h200_round_ms(label, c)
+    if gpu == "H200" and tp == 1:
+        return h200
+    if gpu not in BANDWIDTH_TBS:
+        raise ValueError(
+            f"no cost model for GPU {gpu!r}: use one of {', '.join(BANDWIDTH_TBS)} or --round-ms-json"
+        )
+    host = 0.0 if label == CHAIN else TREE_HOST_GAP_MS
+    scale = BANDWIDTH_TBS["H200"] / (BANDWIDTH_TBS[gpu] * tp)
+    return (h200 - host) * scale + host
+
+
+def _budget(label: str) -> int:
+    head = label.split("/", 1)[0]
+    if not head.isdigit() or int(head) < 1:
+        raise ValueError(f"setting {label!r} is neither 'chain' nor a budget")
+    return int(head)
+
+
+def recommend(settings: list[Setting], *, concurrency: float, current: str | None, rounds: int,
+              gpu: str = "H200", tp: int = 1, table: Mapping[str, Mapping[int, float]] | None = None,
+              min_rounds: int = MIN_ROUNDS) -> dict[str, Any]:  # fmt: skip
+    """The table and the pick. Raises ValueError on too few rounds or nonsense input (the verb's exit 2
+    vs 1 is decided by :class:`TooFewRounds`)."""
+    if not (isinstance(concurrency, int | float) and math.isfinite(concurrency) and 1 <= concurrency <= 4096):
+        raise ValueError(f"concurrency must be a number in 1..4096, got {concurrency!r}")
+    if not settings:
+        raise ValueError("no settings to compare")
+    if rounds < min_rounds:
+        raise TooFewRounds(
+            f"only {rounds} rounds scored; {min_rounds} are needed before the estimates are worth acting on "
+            "(raise --speculative-ddtree-counterfactual-fraction or wait for more greedy traffic)"
+        )
+    rows = []
+    for s in settings:
+        if s.label.split("/", 1)[0] != s.label:  # a capped tree: no profile spells it, no cost known
+            continue
+        try:
+            ms = round_ms(s.label, concurrency, gpu=gpu, tp=tp, table=table)
+        except KeyError:
+            continue  # a measured table without this setting: not priced, not ranked
+        tps = concurrency * s.tokens_per_round / ms * 1e3
+        rel = s.tokens_per_round_se / s.tokens_per_round if s.tokens_per_round > 0 else 0.0
+        rows.append({"setting": s.label, "tokens_per_round": s.tokens_per_round,
+                     "tokens_per_round_se": s.tokens_per_round_se, "round_ms": ms,
+                     "tokens_per_s": tps, "tokens_per_s_se": tps * rel, "paired_se": s.paired_se,
+                     "running": s.running})  # fmt: skip
+    if not rows:
+        raise ValueError("no measured setting has a round cost on this GPU (see --round-ms-json)")
+    best = max(rows, key=lambda r: r["tokens_per_s"])
+    cur = next((r for r in rows if r["setting"] == current), None)
+    out: dict[str, Any] = {"gpu": gpu, "tp": tp, "concurrency": concurrency, "rounds": rounds,
+                           "current": current, "recommended": best["setting"], "table": rows}  # fmt: skip
+    if cur is not None:
+        gain = best["tokens_per_s"] / cur["tokens_per_s"] - 1
+        if best is cur:
+            se, how = 0.0, "none"
+        elif cur["running"] and best["paired_se"] is not None:
+            # Both measured on the same rounds: the ratio's noise is the difference's, relative to the
+            # best's tokens per round (first order), much less than the two errors combined.
+            se, how = (1 + gain) * best["paired_se"] / best["tokens_per_round"], "paired"
+        else:
+            rel_b = best["tokens_per_s_se"] / best["tokens_per_s"]
+            rel_c = cur["tokens_per_s_se"] / cur["tokens_per_s"]
+            se, how = (1 + gain) * math.hypot(rel_b, rel_c), "independent"
+        out["gain"] = gain
+        out["gain_se"] = se
+        out["gain_se_method"] = how
+        # Act only on a gain two standard errors clear of zero; otherwise keep what runs.
+        out["change"] = best is not cur and gain - 2 * se > 0
+        if not out["change"]:
+            out["recommended"] = current
+    else:
+        out["gain"] = out["gain_se"] = out["gain_se_method"] = None
+        out["change"] = current is None or current != best["setting"]
+    return out
+
+
+class TooFewRounds(ValueError):
+    """Not enough scored rounds to recommend anything."""
+
+
+def flag_overrides(setting: str, *, horizon: int = 15) -> dict[str, int | None]:
+    """The profile flags a setting needs (profiles.yml spelling): the chain is DDTREE's top-k cap 1 at
+    budget = the drafter's horizon (DFlash's own decode under the plugin); a tree is its budget, no cap."""
+    if setting == CHAIN:
+        return {"speculative-ddtree-budget": horizon, "speculative-ddtree-topk-cap": 1}
+    return {"speculative-ddtree-budget": _budget(setting), "speculative-ddtree-topk-cap": None}
