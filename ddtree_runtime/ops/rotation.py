@@ -11,8 +11,9 @@ before they go into a path, health a JSON boolean, URLs in one spelling (scheme 
 port, trailing '/'), credentials refused; only http(s) workers whose host is an IP address count as
 serving capacity (a DNS name may be this very host). An answer that cannot be read is exit 2: no change.
 
-Run by the plays on the controller as `python -m ddtree_runtime.ops.rotation leave|join|remove` with one
-JSON document on stdin; prints one JSON document. Exit 0: go on; 1: refused (the reason says why and what
+Run by the plays on the controller as `python -m ddtree_runtime.ops.rotation leave|join|remove|exposure` with
+one JSON document on stdin (exposure: whether the routers reach the host's SGLang at all, its preflight);
+prints one JSON document. Exit 0: go on; 1: refused (the reason says why and what
 to do); 2: bad input (the reason names the router, the entry and the rule).
 """
 
@@ -201,6 +202,42 @@ def host_states(routers: list[RouterView]) -> dict[str, list[str]]:
 # ---------------------------------------------------------------------------- the plays' JSON
 
 
+def plan_exposure(host: str, allowed: list[str], routers: list[tuple[str, str]]) -> dict[str, Any]:
+    """Whether the routers in front of a host reach its SGLang: it listens on every address (0.0.0.0 or ::)
+    and its address filter (sglang_service_allowed_clients) admits each router's address."""
+    words = ("any", "localhost", "link-local")
+    nets = [ipaddress.ip_network(a, strict=False) for a in allowed if a not in words]
+    bad = []
+    for name, address in routers:
+        try:
+            admitted = "any" in allowed or any(ipaddress.ip_address(address) in net for net in nets)
+        except ValueError:
+            reason = f"the router address {address!r} is not an IP address (set its ansible_host)"
+            return {"ok": False, "reason": reason}
+        if not admitted:
+            bad.append(f"{name} ({address})")
+    if host not in ("0.0.0.0", "::") or bad:
+        shown = allowed or "only localhost"
+        reached = ", ".join(bad) or "every router (loopback only)"
+        return {"ok": False, "reason": f"SGLang listens on {host} and admits {shown}; not reached: {reached}"}
+    return {"ok": True, "reason": ""}
+
+
+def _exposure(doc: dict[str, Any]) -> dict[str, Any]:
+    host, allowed, routers = doc.get("host"), doc.get("allowed"), doc.get("routers")
+    strings = isinstance(allowed, list) and all(isinstance(a, str) for a in allowed)
+    if not isinstance(host, str) or not strings:
+        raise RotationInputError("'host' must be an address and 'allowed' a list of CIDRs")
+    if not isinstance(routers, list) or not all(
+        isinstance(r, list) and len(r) == 2 and all(isinstance(x, str) for x in r) for r in routers
+    ):
+        raise RotationInputError("'routers' must be a list of [name, address]")
+    try:
+        return plan_exposure(host, allowed, [(name, address) for name, address in routers])
+    except ValueError as exc:  # an allowed entry that is no network (the service preflight refuses it first)
+        raise RotationInputError(f"'allowed': {str(exc)[:200]}") from None
+
+
 def _routers(doc: dict[str, Any]) -> list[RouterView]:
     routers = doc.get("routers")
     if not isinstance(routers, list) or len(routers) > 256:
@@ -248,8 +285,11 @@ def _url(name: str, value: Any) -> str:
 def run(action: str, doc: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     if not isinstance(doc, dict):
         raise RotationInputError("stdin must hold one JSON object")
-    if action not in ("leave", "join", "remove"):
-        raise RotationInputError(f"unknown action {action!r}: leave, join or remove")
+    if action not in ("leave", "join", "remove", "exposure"):
+        raise RotationInputError(f"unknown action {action!r}: leave, join, remove or exposure")
+    if action == "exposure":
+        answer = _exposure(doc)
+        return (EXIT_GO if answer["ok"] else EXIT_REFUSED), answer
     routers = _routers(doc)
     if action == "leave":
         host, bound = doc.get("host"), doc.get("restart_bound_s", 0)
@@ -281,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     try:
         if len(args) != 1:
-            raise RotationInputError("usage: python -m ddtree_runtime.ops.rotation leave|join|remove < doc")
+            usage = "usage: python -m ddtree_runtime.ops.rotation leave|join|remove|exposure < doc"
+            raise RotationInputError(usage)
         try:
             doc = json.loads(sys.stdin.read(MAX_STDIN + 1)[: MAX_STDIN + 1] or "null")
         except (ValueError, RecursionError) as exc:

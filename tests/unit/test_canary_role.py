@@ -64,7 +64,11 @@ def test_canary_play_is_host_by_host_and_stops_everything_on_a_failure():
                                  " | length > 0 else [1, '100%']) }}")
     assert rollout["max_fail_percentage"] == 0 and rollout["any_errors_fatal"] is True
     assert all(play["any_errors_fatal"] is True for play in plays)
-    block = rollout["tasks"][0]
+    # Each host goes through the one rollout and its rescue (roles/sglang_rollout), as a canary.
+    (include,) = rollout["tasks"]
+    assert include["ansible.builtin.include_role"] == {"name": "sglang_rollout"}
+    assert include["vars"]["sglang_rollout_play"] == "canary"
+    block = yaml.safe_load((REPO / "roles/sglang_rollout/tasks/main.yml").read_text())[0]
     assert "block" in block and "rescue" in block
     # An abort takes the shadow out of the routers before anything else (after noting what failed).
     first, second = block["rescue"][:2]

@@ -22,7 +22,8 @@ def test_known_profile_passes():
 
 
 def test_preflight_checks_the_checkout():
-    result = playbook(PLAYBOOKS / "preflight.yml")  # ddtree_runtime_source_dir = the playbook's folder
+    # A folder that is no checkout (the wheel's source defaults to the checkout the roles are in).
+    result = playbook(PLAYBOOKS / "preflight.yml", "-e", f"ddtree_runtime_source_dir={PLAYBOOKS}")
     assert result.returncode != 0
     assert "pyproject.toml not found: run ansible-playbook from the checkout" in result.stdout
 

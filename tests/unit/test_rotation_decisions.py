@@ -95,6 +95,27 @@ def _cli(module: str, *args: str, doc: object) -> tuple[int, dict]:
     return proc.returncode, json.loads(proc.stdout)
 
 
+def test_exposure_the_routers_reach_a_wildcard_listener_that_admits_them():
+    """The preflight's check (roles/sglang_rotation): SGLang beyond loopback, each router admitted."""
+    assert rotation.plan_exposure("0.0.0.0", ["10.0.0.0/24"], [("r1", A)]) == {"ok": True, "reason": ""}
+    assert rotation.plan_exposure("::", ["any"], [("r1", "router.example")])["ok"]
+    answer = rotation.plan_exposure("127.0.0.1", [], [("r1", A)])
+    assert not answer["ok"]
+    assert answer["reason"] == f"SGLang listens on 127.0.0.1 and admits only localhost; not reached: r1 ({A})"
+    answer = rotation.plan_exposure("0.0.0.0", ["10.0.1.0/24"], [("r1", A), ("r2", "10.0.1.5")])
+    assert answer["reason"] == f"SGLang listens on 0.0.0.0 and admits ['10.0.1.0/24']; not reached: r1 ({A})"
+    answer = rotation.plan_exposure("0.0.0.0", ["10.0.0.0/24"], [("r1", "router.example")])
+    assert answer["reason"].startswith("the router address 'router.example' is not an IP address")
+    assert rotation.run("exposure", {"host": "0.0.0.0", "allowed": [], "routers": []})[0] == rotation.EXIT_GO
+    for doc in (
+        {"host": "0.0.0.0", "allowed": "any", "routers": []},
+        {"host": "0.0.0.0", "allowed": ["not a network"], "routers": []},
+        {"host": "0.0.0.0", "allowed": [], "routers": [["r1"]]},
+    ):
+        with pytest.raises(rotation.RotationInputError):
+            rotation.run("exposure", doc)
+
+
 def test_rotation_command_line_as_the_plays_call_it():
     doc = {
         "host": "ct129",
