@@ -189,8 +189,9 @@ def resolve_server_args(server_args: Any) -> None:
     }
     # Trees keep SGLang's overlap scheduler, as DFLASH does: the tree round reads nothing back to the
     # host (tree_round; tests/sglang/test_tree_round_sync.py, the GPU suite's sync watch), and the
-    # GPU suite is token-identical with it (docs/bench/overlap-tree-round.md). SGLang still turns it
-    # off where it must (CPU, pp > 1, --disable-overlap-schedule).
+    # GPU suite is token-identical with it (docs/bench/overlap-tree-round.md). It stays off where
+    # SGLang's resolution turns it off (pp > 1, --disable-overlap-schedule); SGLang's CPU turn-off is
+    # for its EAGLE and NGRAM families only, so the CPU lab runs trees overlapped, as the chain.
     declare_resolution(record, RESOLUTION_SOURCE, **sizes)
     resolved = {
         "algorithm": ALGORITHM,

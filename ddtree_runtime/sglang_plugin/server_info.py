@@ -37,7 +37,7 @@ def add_to_server_info(result: dict[str, Any], server_args: Any, *args: Any, **k
     result["speculative_ddtree_topk_cap"] = settings["topk_cap"]
     result["speculative_ddtree_allow_hybrid"] = settings["allow_hybrid"]
     # What the scheduler decides its loop by (Scheduler.enable_overlap): on for trees and the chain,
-    # off wherever SGLang's own resolution turns it off (CPU, pp > 1, --disable-overlap-schedule).
+    # off wherever SGLang's own resolution turns it off (pp > 1, --disable-overlap-schedule).
     result["ddtree_overlap_schedule"] = not bool(result.get("disable_overlap_schedule", False))
     result["ddtree_handshake"] = _latest_live or static_handshake(settings)
     return result
