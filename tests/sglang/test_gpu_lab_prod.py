@@ -116,3 +116,52 @@ def test_a_trace_without_two_verifies_says_so(tmp_path):
     path = tmp_path / "empty.trace.json"
     path.write_text(json.dumps({"traceEvents": [_x("kernel", "k", 0, 5)]}))
     assert "0 verify spans" in profile_gaps.analyse(Path(path))["error"]
+
+
+def test_the_analysis_splits_each_stage_by_kernel_family_and_name(tmp_path):
+    # Two rounds of 10 ms. Per round: the verify's GEMM 3 ms, its tree-masked attention 0.5 ms and a
+    # GDN recurrent kernel 0.4 ms; the drafter's GEMM 1.5 ms; between them the tree build 0.2 ms and
+    # a device-to-host copy (a memcpy, not a kernel).
+    events = []
+    for r in range(3):
+        t = r * 10_000
+        events += [
+            _x("user_annotation", "step[VERIFY bs=1]", t, 4_000),
+            _x("gpu_user_annotation", "step[VERIFY bs=1]", t, 4_000),
+            _x("kernel", "nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_TNT", t, 3_000),
+            _x("kernel", "_fwd_kernel", t + 3_000, 500),
+            _x("kernel", "fused_recurrent_gated_delta_rule_fwd_kernel", t + 3_500, 400),
+            _x("gpu_user_annotation", "step[DRAFT bs=1]", t + 5_000, 2_000),
+            _x("kernel", "nvjet_hsh_64x8_64x16_4x1_v_bz_TNN", t + 5_000, 1_500),
+            _x("kernel", "_build_kernel", t + 7_500, 200),
+            _x("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", t + 8_000, 10),
+        ]  # fmt: skip
+    path = tmp_path / "k.trace.json.gz"
+    with gzip.open(path, "wt") as fh:
+        json.dump({"traceEvents": events}, fh)
+    kernels = profile_gaps.analyse(path)["kernels_per_round"]
+    assert set(kernels) == {"VERIFY", "DRAFT", "between"}
+    assert kernels["VERIFY"]["families_ms"] == {"gemm": 3.0, "attention": 0.5, "gdn": 0.4}
+    assert kernels["VERIFY"]["kernel_ms"] == pytest.approx(3.9)
+    assert kernels["DRAFT"]["families_ms"] == {"gemm": 1.5}
+    assert kernels["between"]["families_ms"] == {"tree": 0.2, "memcpy": 0.01}
+    top = kernels["VERIFY"]["top_kernels"][0]
+    assert top["name"].startswith("nvjet_hsh_128x256") and (top["ms"], top["calls"]) == (3.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("name", "family"),
+    [
+        ("chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "gdn"),
+        ("_causal_conv1d_update_kernel", "gdn"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
+        ("_fwd_kernel_stage1", "attention"),
+        ("void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>", "topk_sort"),
+        ("rmsnorm_kernel", "norm"),
+        ("_walk_kernel", "tree"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<long>>", "elementwise"),
+        ("mystery", "other"),
+    ],
+)
+def test_kernel_families_by_name(name, family):
+    assert profile_gaps.kernel_family(name) == family

@@ -282,7 +282,7 @@ def run_bench(
 
 # --- the production shape: Qwen3.6-27B with dummy weights ------------------------------------------
 PROD_DEFAULT = "dflash-fp32 ddtree16-fp32"
-PROD_PROFILE_LEVELS = (1, 16)
+PROD_PROFILE_LEVELS = (1, 8)  # issue 33: where a verify's time goes at batch 1 and 8
 
 
 def prod_spec(word: str) -> Spec:
@@ -340,7 +340,7 @@ def profile_round(server: GpuServer, out: Path, level: int, steps: int = 24) -> 
 
 
 def run_prod(models: Path, log_dir: Path) -> None:
-    """One 27B server at a time (each takes the GPU): start, bench, profile at 1 and 16, stop."""
+    """One 27B server at a time (each takes the GPU): start, bench, profile at 1 and 8, stop."""
     from ddtree_runtime.health.server_bench import bench_server
     from ddtree_sglang_gpu_lab.prod_shape import write_prod_pair
 

@@ -5,7 +5,8 @@ SGLang labels every model-runner forward ``step[VERIFY bs=N]`` (the target's ver
 (``gpu_user_annotation``). From the trace: the GPU window and its busy union, so the GPU-idle time
 per round; the GPU time inside VERIFY and DRAFT spans per round; and the host syncs (stream/event/
 device synchronize, device-to-host copies) with the Python frame of ours or SGLang's that issued each
-(the trace needs ``with_stack``). Numbers are under the profiler, which slows the host: compare
+(the trace needs ``with_stack``); and the GPU time of each stage (VERIFY, DRAFT, between them) by
+kernel family and by kernel name. Numbers are under the profiler, which slows the host: compare
 DDTREE with DFLASH from traces taken the same way, not with untraced timings.
 """
 
@@ -78,6 +79,107 @@ def issuing_frame(call: dict[str, Any], frames: dict[Any, tuple[list[float], lis
         if match and f["ts"] + f.get("dur", 0) >= end:
             return f["name"][match.start() :]
     return "?"
+
+
+# Kernel families, first match wins (names lowercased): enough to say where a verify's time goes;
+# the raw names come with them (``top_kernels``), since SGLang's and Triton's names change by release.
+KERNEL_FAMILIES: tuple[tuple[str, re.Pattern[str]], ...] = (
+    (
+        "gdn",
+        re.compile(
+            r"gated_delta|delta_rule|fused_recurrent|causal_conv|conv1d|gdn|mamba|ssm"
+            r"|chunk_scaled"
+        ),
+    ),
+    ("gemm", re.compile(r"gemm|xmma|cutlass|nvjet|cublas|matmul|wgmma|splitk|sm90_|sm80_")),
+    ("attention", re.compile(r"attention|attn|flash|_fwd_kernel|fwd_grouped|decode_.*stage|extend")),
+    ("norm", re.compile(r"norm")),
+    ("topk_sort", re.compile(r"topk|top_k|sort|radix|argmax|bitonic")),
+    (
+        "tree",
+        re.compile(
+            r"_build_kernel|_compile_kernel|_walk_kernel|_commit_kernel|_lazy_step|_rank_kernel"
+            r"|_chunk_kernel|_exact_kernel|_gather_kernel|tree"
+        ),
+    ),
+    ("activation", re.compile(r"silu|gelu|act_and_mul|swiglu")),
+    (
+        "elementwise",
+        re.compile(
+            r"elementwise|vectorized|unrolled|reduce|index|scatter|gather|copy|fill"
+            r"|cat_"
+        ),
+    ),
+)
+
+
+def kernel_family(name: str, category: str = "kernel") -> str:
+    """The family a GPU event belongs to: memcpy / memset by category, kernels by name."""
+    if category == "gpu_memcpy":
+        return "memcpy"
+    if category == "gpu_memset":
+        return "memset"
+    low = name.lower()
+    return next((family for family, pattern in KERNEL_FAMILIES if pattern.search(low)), "other")
+
+
+def _stage_of(ts: float, spans: dict[str, list[tuple[float, float]]]) -> str:
+    for stage, intervals in spans.items():
+        i = bisect.bisect_right(intervals, (ts, float("inf"))) - 1
+        if i >= 0 and intervals[i][0] <= ts < intervals[i][1]:
+            return stage
+    return "between"  # outside every forward: the tree build, the walk, the commit, sampling
+
+
+def kernel_breakdown(
+    events: list[dict[str, Any]], stage_spans: dict[str, list[tuple[float, float]]],
+    lo: float, hi: float, rounds: int, top: int = 12,
+) -> dict[str, Any]:  # fmt: skip
+    """GPU time per round by stage (VERIFY, DRAFT, between) and kernel family, with each stage's
+    costliest kernel names (ms and launches per round). A kernel belongs to the stage whose GPU span
+    holds its start; spans of one stage may overlap (one per stream), so they are merged first."""
+    merged: dict[str, list[tuple[float, float]]] = {}
+    for stage, intervals in stage_spans.items():
+        out: list[tuple[float, float]] = []
+        for start, stop in sorted(intervals):
+            if out and start <= out[-1][1]:
+                out[-1] = (out[-1][0], max(out[-1][1], stop))
+            else:
+                out.append((start, stop))
+        merged[stage] = out
+    family_us: dict[str, Counter[str]] = {}
+    name_us: dict[str, Counter[str]] = {}
+    name_calls: dict[str, Counter[str]] = {}
+    for e in events:
+        cat = e.get("cat")
+        if cat not in GPU_CATEGORIES or not lo <= e["ts"] < hi:
+            continue
+        stage = _stage_of(e["ts"], merged)
+        dur = float(e.get("dur", 0))
+        name = e.get("name", "")
+        family_us.setdefault(stage, Counter())[kernel_family(name, cat)] += dur
+        name_us.setdefault(stage, Counter())[name[:120]] += dur
+        name_calls.setdefault(stage, Counter())[name[:120]] += 1
+
+    def per_round(us: float) -> float:
+        return round(us / 1000 / rounds, 4)
+
+    return {
+        stage: {
+            "kernel_ms": per_round(sum(family_us[stage].values())),
+            "families_ms": {k: per_round(v) for k, v in family_us[stage].most_common()},
+            "top_kernels": [
+                {
+                    "name": k,
+                    "ms": per_round(v),
+                    "calls": round(name_calls[stage][k] / rounds, 2),
+                    "family": kernel_family(k),
+                }
+                for k, v in name_us[stage].most_common(top)
+            ],
+        }
+        for stage in sorted(family_us)
+    }
 
 
 def _clip(intervals: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
@@ -163,4 +265,5 @@ def analyse(path: Path) -> dict[str, Any]:
         "dtoh_copies_per_round": round(copies_dtoh / rounds, 2),
         "host_wait_per_round_ms": round(sync_us / 1000 / rounds, 3),
         "sync_sites_per_round": {k: round(v / rounds, 2) for k, v in sync_sites.most_common(25)},
+        "kernels_per_round": kernel_breakdown(events, stage_spans, g_lo, g_hi, rounds),
     }
