@@ -5,9 +5,11 @@ uncertainty. Stdlib only; the verb (``ddtree_runtime/tune_cli.py``) feeds it.
 
 Round costs (ms per decode round of the whole batch), Qwen3.6-27B's shape:
 
-* H200, measured (docs/bench/prod-shape.md, the real SGLang 0.5.23 server, CUDA graphs, fp32 SSM state):
-  chain (DFLASH's decode; DDTREE's top-k cap 1 runs the same) and budget 16 at concurrency 1 (decode
-  only: 22.7 / 31.3 ms), 4 and 16 (from tokens/s at acceptance 1.016: c x 1.016 / tok/s).
+* H200, measured (docs/bench/prod-shape.md, the real SGLang 0.5.23 server, CUDA graphs, fp32 SSM state,
+  before trees ran overlapped): chain (DFLASH's decode; DDTREE's top-k cap 1 runs the same) and budget
+  16 at concurrency 1 (decode only: 22.7 / 31.3 ms), 4 and 16 (from tokens/s at acceptance 1.016:
+  running requests x 1.016 / tok/s). At 16 DFLASH's pool held 12 running requests (its scratch per
+  slot), so its benchmark of 16 ran 12 at a time: its point is at 12, not 16.
 * H200, modelled from those: budget 8 priced as 16 (not measured; its host gap and tree mask are the
   same, the 8 GDN rows it saves are under 1 ms and not credited); budgets 32 and 64 as 16 plus the GDN
   verify's extra time for their rows (docs/bench/gdn-tree-price.md, fp32 state: +8.5 ms at one request,
@@ -36,7 +38,7 @@ MIN_ROUNDS = (
 
 # ms per round at concurrency c, H200, Qwen3.6-27B shape (see module doc).
 H200_MEASURED: dict[str, dict[int, float]] = {
-    CHAIN: {1: 22.7, 4: 4 * 1.016 / 106.7 * 1e3, 16: 16 * 1.016 / 243.1 * 1e3},
+    CHAIN: {1: 22.7, 4: 4 * 1.016 / 106.7 * 1e3, 12: 12 * 1.016 / 243.1 * 1e3},  # 12 ran (module doc)
     "16": {1: 31.3, 4: 4 * 1.016 / 85.1 * 1e3, 16: 16 * 1.016 / 223.0 * 1e3},
 }
 TREE_HOST_GAP_MS = 31.3 - 25.3 - 3.1  # H200 budget-16 round minus its verify and drafter GPU windows

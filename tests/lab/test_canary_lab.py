@@ -30,10 +30,10 @@ LIVE_FILES = (
     "/etc/sglang/sglang-qwen.env",
     "/var/lib/ddtree/state/sglang-qwen.json",
 )
-# The comparison's latency check has its own tests; two lab servers share a loaded CI CPU here. How much
-# less the shadow-small budget (8) accepts than live's (16) is what the trained tiny pair happens to learn
-# (equal on one machine, near the default 0.8 on another): the floor here is what is certain (a step
-# emits 1 to 17 tokens); tests/unit/test_canary.py holds the ratio's arithmetic on a pair made to agree.
+# The comparison's latency check has its own tests; two lab servers share a loaded CI CPU here. Both sides
+# run budget 16 (shadow-small runs what live runs), but the two builds' accept lengths are what the trained
+# tiny pair happens to give: the floor here is what is certain (a step emits 1 to 17 tokens);
+# tests/unit/test_canary.py holds the ratio's arithmetic on a pair made to agree.
 COMMON = ["-e", "sglang_canary_rounds=2", "-e", "sglang_canary_max_latency_ratio=4",
           "-e", "sglang_canary_min_accept_ratio=0.05"]
 
@@ -233,7 +233,7 @@ def test_a_good_build_promotes_on_the_canary_host_then_the_second(lab, world):
         assert report["tokens"]["equal"] is True
         for side in ("live", "shadow"):
             assert report[side]["accept_length"] > 1.0 and report[side]["latency_median_s"] > 0
-        assert report["shadow"]["budget"] == 8 and report["live"]["budget"] == 16  # shadow-small vs balanced
+        assert report["shadow"]["budget"] == report["live"]["budget"] == 16  # shadow-small runs live's
         print(f"\n{host} canary report:\n" + "\n".join(report["table"]))
 
 

@@ -162,7 +162,7 @@ def test_a_canary_with_live_and_shadow_both_real_sglang_promotes(world):
     assert result["live"]["release"] == world["release_a"]
     for side in ("live", "shadow"):
         assert result[side]["accept_length"] > 1.0
-    assert (result["live"]["budget"], result["shadow"]["budget"]) == (16, 8)  # balanced vs shadow-small
+    assert (result["live"]["budget"], result["shadow"]["budget"]) == (16, 16)  # balanced vs shadow-small
     state = host.json(STATE)
     assert state["previous_release"] == world["release_a"] and state["release"] != world["release_a"]
     assert host.get("/server_info")["ddtree_runtime_version"] == "0.1.0+canary.real"
@@ -217,6 +217,6 @@ def test_profile_switch_changes_the_flags_and_the_server_comes_back(world):
     for flag in ("--disable-cuda-graph", "--context-length 8192", "--port 30001", "--device cpu"):
         assert flag in unit, flag
     info = host.get("/server_info", port=30001)
-    assert info["context_length"] == 8192 and info["speculative_ddtree_budget"] == 8
+    assert info["context_length"] == 8192 and info["speculative_ddtree_budget"] == 16
     assert host.generate("the cat", 8, port=30001)["text"].strip()
     report("profile_switch", seconds=took)

@@ -318,3 +318,34 @@ def test_page_size_16_is_token_identical_and_keeps_the_pools_consistent(
         assert not found, found
         figures = figures_of(answers)
     report("page_size_16", ready_seconds=ready, **figures)
+
+
+def test_the_chain_setting_is_token_identical_and_passes_the_probe(
+    models, tmp_path_factory, reference, ddtree
+):
+    """The chain (top-k cap 1 at budget 15: what `ddtree tune` proposes where no tree wins, and what a
+    profile ships then: docs/bench/profile-choice.md) on the server ct131 runs: greedy output is the plain
+    server's, and the live probe passes with its lossless check."""
+    from ddtree_runtime.health.probe import live_probe
+
+    ddtree.stop()  # one real server at a time
+    root = tmp_path_factory.mktemp("chain")
+    chain = ["--speculative-ddtree-topk-cap", "1", "--speculative-ddtree-budget", "15"]
+    with RealServer(models / "target", models / "draft", log_dir=root, extra=chain) as server:
+        ready = server.wait_ready()
+        status, info = server.request("/server_info")
+        assert (
+            status == 200
+            and info["speculative_ddtree_topk_cap"] == 1
+            and info["speculative_ddtree_budget"] == 15
+        )
+        answers = server.generate(PROMPTS, NEW_TOKENS)
+        for prompt, answer in zip(PROMPTS, answers, strict=True):
+            assert answer["output_ids"] == reference[prompt][:NEW_TOKENS], prompt
+        figures = figures_of(answers)
+        assert figures["accept_length"] > 1.0, figures  # drafts get accepted, not only the bonus token
+        probe = live_probe(server.url, timeout=60, min_accept_length=1.1,
+                           expect={"speculative_ddtree_budget": "15"})  # fmt: skip
+        assert probe.ok, probe.to_dict()
+        assert probe.figures["lossless"]["status"] == "passed", probe.figures["lossless"]
+    report("chain", ready_seconds=ready, **figures)

@@ -1,0 +1,174 @@
+"""Each shipped profile runs the decoder its figures choose (issue 33), and the doc states them.
+
+Tokens per round per setting come from the raw lines of the H200 GPU lab's benchmark (the lab
+hybrid pair: a Gated DeltaNet target as Qwen3.6-27B is; DFLASH's chain, DDTREE 16 and 32), round
+costs from ``ddtree tune``'s model, fitting from ``ddtree plan`` on Qwen3.6-27B-shaped files where
+each profile is meant to run. Change a profile's budget, or the figures, and these fail until
+``docs/bench/profile-choice.md`` and the profile agree again.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from ddtree_runtime.planner import load_model_pair, plan_memory
+from ddtree_runtime.planner.cli import live_claim
+from ddtree_runtime.planner.gpus import GpuFacts, parse_shorthand
+from ddtree_runtime.planner.profile_choice import (
+    Choice,
+    choose_live,
+    choose_shadow,
+    is_live,
+    live_profile_of,
+    profile_setting,
+)
+from ddtree_runtime.planner.settings import from_flags
+from ddtree_runtime.planner.tune import CHAIN, flag_overrides
+from tests.fixtures_models import write_full_checkpoint_pair
+
+REPO = Path(__file__).resolve().parents[2]
+PROFILES = yaml.safe_load((REPO / "roles/sglang_service/vars/profiles.yml").read_text())[
+    "sglang_service_profiles"
+]
+FIGURES = REPO / "docs/bench/2026-12-01-h200-gpu-lab-bench-hybrid.jsonl"
+SERVERS = {CHAIN: "hybrid-dflash", "16": "hybrid-ddtree-b16", "32": "hybrid-ddtree-b32"}
+DOC = REPO / "docs/bench/profile-choice.md"
+
+
+def lab_tokens_per_round() -> dict[str, float]:
+    """Accept length (tokens per round, the bonus token included) per setting, from the raw lines."""
+    found: dict[str, float] = {}
+    for line in FIGURES.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the file also holds pytest's own output lines
+        for label, server in SERVERS.items():
+            if row.get("case") == "bench_summary" and row.get("server") == server:
+                found[label] = float(row["accept_length"])
+    assert set(found) == set(SERVERS), f"{FIGURES.name} lacks {set(SERVERS) - set(found)}"
+    return found
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory):
+    return load_model_pair(*write_full_checkpoint_pair(tmp_path_factory.mktemp("qwen36"), "qwen3.6-27b"))
+
+
+def fits_where_meant(pair, name: str) -> Callable[[str], bool]:
+    """Whether the profile, run at a setting, fits the hardware its runs_on names."""
+    profile = PROFILES[name]
+    runs_on = profile["runs_on"]
+    gpus = parse_shorthand(runs_on["gpus"])
+    if runs_on.get("free_mib"):
+        gpus = [GpuFacts(g.index, g.name, g.total_mib, int(runs_on["free_mib"])) for g in gpus]
+    claimed = None
+    if runs_on.get("beside"):
+        claimed = live_claim(pair, gpus, from_flags(PROFILES[runs_on["beside"]]["flags"]), None)
+    visible = [int(i) for i in str(runs_on.get("cuda_visible_devices", "")).split(",") if i != ""] or None
+
+    def fits(label: str) -> bool:
+        flags = {**profile["flags"], **flag_overrides(label)}
+        flags = {k: v for k, v in flags.items() if v is not None}
+        plan = plan_memory(pair, gpus, from_flags(flags), profile=name, visible=visible, claimed_gib=claimed)
+        return plan.verdict.fits
+
+    return fits
+
+
+def choices(pair, profiles: dict[str, Any] = PROFILES) -> dict[str, Choice]:
+    tpr = lab_tokens_per_round()
+    out = {
+        name: choose_live(name, p, tpr, fits_where_meant(pair, name))
+        for name, p in profiles.items()
+        if is_live(p)
+    }
+    for name, p in profiles.items():
+        if not is_live(p):
+            out[name] = choose_shadow(name, p, out[live_profile_of(p)], fits_where_meant(pair, name))
+    return out
+
+
+def test_every_shadow_runs_what_its_live_profile_runs(pair):
+    for name, choice in choices(pair).items():
+        if not is_live(PROFILES[name]):
+            assert choice.agrees, (
+                f"{name} runs {choice.runs}, the rule says {choice.chosen} ({choice.reason})"
+            )
+
+
+def test_the_live_profiles_figures_choose_the_chain_today(pair):
+    """What the figures in hand say (H200 at Qwen3.6-27B's shape measured before trees ran overlapped,
+    the hybrid lab pair's acceptance): a budget-16 round costs 1.25-1.38x the chain's, the tree accepts
+    1.18x, so the chain wins at every concurrency; budget 32 does not fit the live profiles."""
+    got = choices(pair)
+    for name in ("balanced", "balanced-tp2"):
+        assert got[name].chosen == CHAIN, (name, got[name])
+        ratio = got[name].ratio_to_chain("16")
+        assert ratio is not None and 0.85 < ratio < 1.0, (name, ratio)
+        assert "32" not in got[name].tokens_per_s and "does not fit: 32" in got[name].reason
+
+
+def test_the_chain_wins_where_a_tree_does_not(pair):
+    # The same figures at concurrency 1 on an H200: the chain (the round-cost ratio is larger than the
+    # lab pairs' acceptance gain), so a profile sized for one request would ship the chain.
+    one = {**PROFILES["balanced"], "flags": {**PROFILES["balanced"]["flags"], "max-running-requests": 1}}
+    choice = choose_live("one-request", one, lab_tokens_per_round(), lambda label: True)
+    assert choice.chosen == CHAIN and choice.ratio_to_chain("16") < 1.0
+
+
+def test_a_profile_changed_without_its_figures_fails(pair):
+    changed = {name: dict(p, flags=dict(p["flags"])) for name, p in PROFILES.items()}
+    changed["balanced"]["flags"]["speculative-ddtree-budget"] = 8
+    changed["shadow"]["flags"]["speculative-ddtree-topk-cap"] = 1
+    got = choices(pair, changed)
+    assert (got["balanced"].runs, got["balanced"].chosen) == ("8", CHAIN)
+    assert (got["shadow"].runs, got["shadow"].chosen) == (CHAIN, "8")  # a shadow follows what live runs
+
+
+def test_a_shadow_follows_live_and_shrinks_only_for_memory(pair):
+    live = Choice("live", "32", "32", 16, "H200", 1, "")
+    name = "shadow-small"
+    fits = fits_where_meant(pair, name)
+    shadow = choose_shadow(name, PROFILES[name], live, fits)
+    budget = int(shadow.chosen)
+    assert not fits("32") and 16 <= budget < 32 and fits(str(budget)) and not fits(str(budget + 1))
+    assert "largest budget up to 32" in shadow.reason
+    chain_live = Choice("live", CHAIN, CHAIN, 16, "H200", 1, "")
+    assert choose_shadow(name, PROFILES[name], chain_live, fits).chosen == CHAIN
+
+
+def test_profile_setting_reads_the_flags():
+    assert profile_setting({"speculative-ddtree-budget": 16}) == "16"
+    assert profile_setting({"speculative-ddtree-budget": 15, "speculative-ddtree-topk-cap": 1}) == CHAIN
+    for bad in (None, 0, "16", True):
+        with pytest.raises(ValueError, match="speculative-ddtree-budget"):
+            profile_setting({"speculative-ddtree-budget": bad})
+
+
+def _setting_cell(setting: str) -> str:
+    return CHAIN if setting == CHAIN else f"budget {setting}"
+
+
+def test_the_doc_states_what_each_profile_ships_and_what_its_figures_choose(pair):
+    """One row per profile: what it ships, what the figures choose, its concurrency, its GPU, the
+    tokens/s per setting (live profiles), and where the two settings differ, why ("pending: ...").
+    A profile or a figure changed without its row fails here."""
+    text = DOC.read_text()
+    for name, choice in choices(pair).items():
+        row = next((ln for ln in text.splitlines() if ln.startswith(f"| `{name}` |")), None)
+        assert row is not None, f"{DOC.name} has no row for {name}"
+        cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        assert cells[1] == _setting_cell(choice.runs), row
+        assert cells[2] == _setting_cell(choice.chosen), row
+        assert cells[3] == str(choice.concurrency) and cells[4] == f"{choice.tp}x{choice.gpu}", row
+        stated = {m.group(1): float(m.group(2)) for m in re.finditer(r"(chain|\d+) ([\d.]+)", cells[5])}
+        assert stated == {label: round(tps) for label, tps in choice.tokens_per_s.items()}, (name, row)
+        assert cells[6].startswith("pending:") == (not choice.agrees), (name, row)
