@@ -172,3 +172,23 @@ def test_the_doc_states_what_each_profile_ships_and_what_its_figures_choose(pair
         stated = {m.group(1): float(m.group(2)) for m in re.finditer(r"(chain|\d+) ([\d.]+)", cells[5])}
         assert stated == {label: round(tps) for label, tps in choice.tokens_per_s.items()}, (name, row)
         assert cells[6].startswith("pending:") == (not choice.agrees), (name, row)
+
+
+def test_the_doc_says_where_each_budget_fits_as_the_planner_does(pair):
+    """The fit table (1xH200, balanced's other flags, 1 / 4 / 16 running requests, fp32 and bf16 SSM
+    state): each cell's verdict is the planner's."""
+    gpus = parse_shorthand("1xH200")
+    rows = [ln for ln in DOC.read_text().splitlines() if re.match(r"\| (fp32|bf16) \| (chain|\d+) \|", ln)]
+    assert len(rows) == 10, rows
+    for row in rows:
+        dtype, label, *cells = [c.strip() for c in row.strip().strip("|").split("|")]
+        for running, cell in zip((1, 4, 16), cells, strict=True):
+            flags = {**PROFILES["balanced"]["flags"], **flag_overrides(label)}
+            flags.update({"mamba-ssm-dtype": {"fp32": "float32", "bf16": "bfloat16"}[dtype],
+                          "max-running-requests": running, "max-mamba-cache-size": 5 * running,
+                          "cuda-graph-max-bs-decode": running})  # fmt: skip
+            flags = {k: v for k, v in flags.items() if v is not None}
+            plan = plan_memory(pair, gpus, from_flags(flags), profile="fit-table")
+            assert cell.startswith("fits") == plan.verdict.fits, (row, running, plan.verdict)
+            scratch = plan.term("speculative_scratch")
+            assert scratch is not None and f"scratch {scratch.gib:.1f} GiB" in cell, (row, running)
