@@ -7,20 +7,18 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from .argspec import Range, Rule, option_problems
 from .launch_flags import launch_problems, split_launch_flags
 from .values import (
     InputError,
-    abs_path,
     account,
     as_int,
     clients,
     collect,
-    integer,
     ip_address,
     listen_address,
     port,
     problem,
-    string_list,
 )
 
 _ROUTER_VERSION = re.compile(r"\d{1,4}\.\d{1,4}\.\d{1,4}")
@@ -139,37 +137,42 @@ def router_flag_problems(v: Mapping[str, Any]) -> list[str]:
     return problems
 
 
+def _router_version(name: str, value: Any) -> str | None:
+    if isinstance(value, str) and _ROUTER_VERSION.fullmatch(value):
+        return None
+    return problem(name, value, "is not a release like 0.3.2")
+
+
+def _control_key(name: str, key: Any) -> str | None:
+    if not isinstance(key, str) or (key != "" and not _CONTROL_KEY.fullmatch(key)):
+        return problem(name, key, "is not 16-256 characters of A-Z a-z 0-9 and -_.~+/= (or empty on a "
+                       "loopback router)", secret=True)
+    return None
+
+
+ROUTER: dict[str, Rule] = {
+    "sglang_router_version": _router_version,
+    "sglang_router_listen_address": listen_address,
+    "sglang_router_metrics_listen_address": listen_address,
+    "sglang_router_port": port,
+    "sglang_router_metrics_port": port,
+    "sglang_router_allowed_clients": clients,
+    "sglang_router_control_key": _control_key,
+    "sglang_router_health_check_interval_s": Range(1, 3600),
+    "sglang_router_health_failure_threshold": Range(1, 1000),
+    "sglang_router_request_timeout_s": Range(1, 86400),
+    "sglang_router_shutdown_grace_s": Range(0, 86400),
+    "sglang_router_worker_startup_timeout_s": Range(1, 86400),
+    "sglang_router_extra_flags": launch_problems,
+    "sglang_router_user": account,
+}
+# Inputs the role derives rather than takes (no spec option): checked below.
+ROUTER_DERIVED = ("worker_addresses",)
+
+
 def router_problems(v: Mapping[str, Any]) -> list[str]:
     """Every sglang_router value that reaches its unit, its env file, its venv's path or pip."""
-    problems = collect(
-        None if isinstance(v.get("version"), str) and _ROUTER_VERSION.fullmatch(v["version"]) else problem(
-            "sglang_router_version", v.get("version"), "is not a release like 0.3.2"),
-        None if v.get("install_source") in ("index", "wheelhouse") else problem(
-            "sglang_router_install_source", v.get("install_source"), "is not index or wheelhouse"),
-        *[abs_path(f"sglang_router_{d}", v.get(d)) for d in
-          ("wheelhouse", "root", "python", "unit_dir", "env_dir", "state_dir")],
-        string_list("sglang_router_pip_index_args", v.get("pip_index_args")),
-        listen_address("sglang_router_listen_address", v.get("listen_address")),
-        listen_address("sglang_router_metrics_listen_address", v.get("metrics_listen_address")),
-        port("sglang_router_port", v.get("port")),
-        port("sglang_router_metrics_port", v.get("metrics_port")),
-        clients("sglang_router_allowed_clients", v.get("allowed_clients")),
-        None if v.get("policy") in ("cache_aware", "round_robin", "random", "power_of_two") else problem(
-            "sglang_router_policy", v.get("policy"),
-            "is not cache_aware, round_robin, random or power_of_two"),
-        integer("sglang_router_health_check_interval_s", v.get("health_check_interval_s"), 1, 3600),
-        integer("sglang_router_health_failure_threshold", v.get("health_failure_threshold"), 1, 1000),
-        integer("sglang_router_request_timeout_s", v.get("request_timeout_s"), 1, 86400),
-        integer("sglang_router_shutdown_grace_s", v.get("shutdown_grace_s"), 0, 86400),
-        integer("sglang_router_worker_startup_timeout_s", v.get("worker_startup_timeout_s"), 1, 86400),
-        launch_problems("sglang_router_extra_flags", v.get("extra_flags")),
-        account("sglang_router_user", v.get("user")),
-        string_list("sglang_router_workers", v.get("workers")),
-    )
-    key = v.get("control_key")
-    if not isinstance(key, str) or (key != "" and not _CONTROL_KEY.fullmatch(key)):
-        problems.append(problem("sglang_router_control_key", key, "is not 16-256 characters of A-Z a-z 0-9 "
-                                "and -_.~+/= (or empty on a loopback router)", secret=True))
+    problems = option_problems("sglang_router", v, ROUTER)
     if not problems and as_int(v.get("port")) == as_int(v.get("metrics_port")):
         problems.append(problem("sglang_router_metrics_port", v.get("metrics_port"),
                                 "is the router's port: the metrics listen on a port of their own"))

@@ -168,9 +168,11 @@ def test_loopback_by_default(tmp_path: Path) -> None:
                 "sglang_router_health_check_interval_s": 0,
                 "sglang_router_user": "root",
             },
-            "sglang_router_health_check_interval_s: 0 is out of range: 1..3600; sglang_router_user: 'root' "
-            "is root: the service runs as a dedicated unprivileged account (the role creates it; the "
-            "default is fine); sglang_router_control_key: (value hidden) is not 16-256 characters",
+            # In the argument spec's order (the checks read the variables from it).
+            "sglang_router_control_key: (value hidden) is not 16-256 characters of A-Z a-z 0-9 and -_.~+/= "
+            "(or empty on a loopback router); sglang_router_health_check_interval_s: 0 is out of range: "
+            "1..3600; sglang_router_user: 'root' is root: the service runs as a dedicated unprivileged "
+            "account (the role creates it; the default is fine)",
         ),
     ],
 )
