@@ -1,8 +1,8 @@
 """Filters over ddtree_runtime/inputs/: the roles' input checks and systemd quoting.
 
-The folder is loaded as a package by its file path from the checkout the play runs from (it is stdlib
-only and its modules import one another relatively), so the controller needs nothing of ours installed
-for the preflight to run.
+The folder is loaded as a package by its file path from the checkout the play runs from (stdlib and the
+PyYAML ansible-core brings, its modules importing one another relatively), so the controller needs nothing
+of ours installed for the preflight to run; the checks read the roles' argument specs from that checkout.
 """
 
 from __future__ import annotations
