@@ -1,7 +1,8 @@
-"""Filters over ddtree_runtime/inputs/deploy_inputs.py: the roles' input checks and systemd quoting.
+"""Filters over ddtree_runtime/inputs/: the roles' input checks and systemd quoting.
 
-The module is loaded by its file path from the checkout the play runs from (it is stdlib only), so
-the controller needs nothing of ours installed for the preflight to run.
+The folder is loaded as a package by its file path from the checkout the play runs from (stdlib and the
+PyYAML ansible-core brings, its modules importing one another relatively), so the controller needs nothing
+of ours installed for the preflight to run; the checks read the roles' argument specs from that checkout.
 """
 
 from __future__ import annotations
@@ -13,20 +14,28 @@ from typing import Any
 
 from ansible.errors import AnsibleFilterError
 
-_SOURCE = Path(__file__).resolve().parents[2] / "ddtree_runtime" / "inputs" / "deploy_inputs.py"
+_SOURCE = Path(__file__).resolve().parents[2] / "ddtree_runtime" / "inputs"
+# A private package name: the checkout's rules, whatever ddtree_runtime the controller may have installed.
+_PACKAGE = "ddtree_deploy_inputs"
 
 
-def _load() -> Any:
-    name = "ddtree_deploy_inputs"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, _SOURCE)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+def _load(module: str) -> Any:
+    if _PACKAGE not in sys.modules:
+        spec = importlib.util.spec_from_file_location(_PACKAGE, _SOURCE / "__init__.py",
+                                                      submodule_search_locations=[str(_SOURCE)])
+        package = importlib.util.module_from_spec(spec)
+        sys.modules[_PACKAGE] = package
+        spec.loader.exec_module(package)
+    return importlib.import_module(f"{_PACKAGE}.{module}")
 
 
-_rules = _load()
+_values = _load("values")
+_flags = _load("launch_flags")
+_quote = _load("systemd_quoting")
+_checks = _load("role_checks")
+_command = _load("service_command")
+_router = _load("router_flags")
+_answers = _load("router_answers")
 
 
 def _quoting(func: Any) -> Any:
@@ -35,7 +44,7 @@ def _quoting(func: Any) -> Any:
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         try:
             return func(*args, **kwargs)
-        except _rules.InputError as exc:
+        except _values.InputError as exc:
             raise AnsibleFilterError(str(exc)) from None
 
     return wrapped
@@ -53,37 +62,37 @@ def _plain(value: Any) -> Any:
 
 
 def _existing_account(passwd_line: Any, name: str, value: str, home: str, shell: str) -> list[str]:
-    found = _rules.existing_account(name, value, str(passwd_line or ""), home=home, shell=shell)
+    found = _values.existing_account(name, value, str(passwd_line or ""), home=home, shell=shell)
     return [found] if found else []
 
 
 class FilterModule:
     def filters(self) -> dict[str, Any]:
         return {
-            "ddtree_service_problems": lambda v: _rules.service_problems(_plain(v)),
-            "ddtree_service_argv": _quoting(lambda v: _rules.service_argv(_plain(v))),
-            "ddtree_service_env": _quoting(lambda v: _rules.service_env(_plain(v))),
-            "ddtree_canary_problems": lambda v: _rules.canary_problems(_plain(v)),
-            "ddtree_exporter_problems": lambda v: _rules.exporter_problems(_plain(v)),
-            "ddtree_probe_problems": lambda v: _rules.probe_problems(_plain(v)),
-            "ddtree_runtime_problems": lambda v: _rules.runtime_problems(_plain(v)),
-            "ddtree_router_problems": lambda v: _rules.router_problems(_plain(v)),
-            "ddtree_rotation_problems": lambda v: _rules.rotation_problems(_plain(v)),
-            "ddtree_router_argv": _quoting(lambda v: _rules.router_argv(_plain(v))),
+            "ddtree_service_problems": lambda v: _checks.service_problems(_plain(v)),
+            "ddtree_service_argv": _quoting(lambda v: _command.service_argv(_plain(v))),
+            "ddtree_service_env": _quoting(lambda v: _command.service_env(_plain(v))),
+            "ddtree_canary_problems": lambda v: _checks.canary_problems(_plain(v)),
+            "ddtree_exporter_problems": lambda v: _checks.exporter_problems(_plain(v)),
+            "ddtree_probe_problems": lambda v: _checks.probe_problems(_plain(v)),
+            "ddtree_runtime_problems": lambda v: _checks.runtime_problems(_plain(v)),
+            "ddtree_router_problems": lambda v: _router.router_problems(_plain(v)),
+            "ddtree_rotation_problems": lambda v: _checks.rotation_problems(_plain(v)),
+            "ddtree_router_argv": _quoting(lambda v: _router.router_argv(_plain(v))),
             # What a router answered: checked, in one URL spelling (a refusal fails the task, one line).
-            "ddtree_worker_url": _quoting(lambda url: _rules.worker_url(_plain(url))),
-            "ddtree_router_lists": lambda answer, urls, healthy=False: _rules.router_lists(
+            "ddtree_worker_url": _quoting(lambda url: _answers.worker_url(_plain(url))),
+            "ddtree_router_lists": lambda answer, urls, healthy=False: _answers.router_lists(
                 _plain(answer), _plain(urls), healthy=bool(healthy)),
-            "ddtree_router_rotation_urls": _quoting(lambda answer, router: _rules.router_rotation_urls(
+            "ddtree_router_rotation_urls": _quoting(lambda answer, router: _answers.router_rotation_urls(
                 _plain(answer), str(router))),
-            "ddtree_state_problems": lambda state, name, releases_dir: _rules.recorded_state_problems(
+            "ddtree_state_problems": lambda state, name, releases_dir: _checks.recorded_state_problems(
                 name, _plain(state), str(releases_dir)),
             "ddtree_account_problems": _existing_account,
-            "ddtree_split_flags": _quoting(lambda items, name="sglang_extra_flags": _rules.split_launch_flags(
+            "ddtree_split_flags": _quoting(lambda items, name="sglang_extra_flags": _flags.split_launch_flags(
                 _plain(items), name)),
-            "ddtree_exec_line": _quoting(lambda argv: _rules.exec_line(_plain(argv))),
-            "ddtree_exec_words": _quoting(lambda argv: _rules.exec_words(_plain(argv))),
-            "ddtree_systemd_word": _quoting(_rules.systemd_word),
-            "ddtree_env_value": _quoting(_rules.env_file_value),
-            "ddtree_unit_value": _quoting(lambda value, name="a unit value": _rules.unit_value(name, value)),
+            "ddtree_exec_line": _quoting(lambda argv: _quote.exec_line(_plain(argv))),
+            "ddtree_exec_words": _quoting(lambda argv: _quote.exec_words(_plain(argv))),
+            "ddtree_systemd_word": _quoting(_quote.systemd_word),
+            "ddtree_env_value": _quoting(_quote.env_file_value),
+            "ddtree_unit_value": _quoting(lambda value, name="a unit value": _quote.unit_value(name, value)),
         }

@@ -1,7 +1,7 @@
 """The checkout the play runs from, as variables every play, role and inventory sees.
 
 The one way the roles find the checkout and run its code on the controller: `ddtree_checkout_dir` is
-this file's own place in it (as ansible/filter_plugins/ddtree_inputs.py finds deploy_inputs.py), and
+this file's own place in it (as ansible/filter_plugins/ddtree_inputs.py finds ddtree_runtime/inputs/), and
 `ddtree_controller_env` is the environment a controller task runs `ansible_playbook_python -m
 ddtree_runtime...` with (the checkout's package first on the path, no bytecode written into it).
 Enabled in ansible.cfg (vars_plugins, vars_plugins_enabled); `-e ddtree_checkout_dir=...` overrides it.

@@ -26,8 +26,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ddtree_runtime.inputs.deploy_inputs import InputError
-from ddtree_runtime.inputs.deploy_inputs import worker_url as normal_url
+from ddtree_runtime.inputs.router_answers import worker_url as normal_url
+from ddtree_runtime.inputs.values import InputError
 
 EXIT_PROMOTE, EXIT_ABORT, EXIT_BAD_INPUT = 0, 1, 2
 OUTCOMES = "smg_worker_cb_outcomes_total"

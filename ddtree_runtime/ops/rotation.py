@@ -6,7 +6,7 @@ host that serves through a router is never taken out when no other worker of tha
 healthy (unless it is the router's only configured worker: then the answer says what downtime to expect).
 `ddtree fleet status` uses `host_states` for its ROTATION column.
 
-What a router says is checked before anything is decided on it (deploy_inputs.router_workers): ids
+What a router says is checked before anything is decided on it (inputs/router_answers.router_workers): ids
 before they go into a path, health a JSON boolean, URLs in one spelling (scheme and host case, default
 port, trailing '/'), credentials refused; only http(s) workers whose host is an IP address count as
 serving capacity (a DNS name may be this very host). An answer that cannot be read is exit 2: no change.
@@ -27,8 +27,9 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
-from ddtree_runtime.inputs.deploy_inputs import InputError, as_bool, as_int, one_line, router_workers
-from ddtree_runtime.inputs.deploy_inputs import worker_url as normal_url
+from ddtree_runtime.inputs.router_answers import router_workers
+from ddtree_runtime.inputs.router_answers import worker_url as normal_url
+from ddtree_runtime.inputs.values import InputError, as_bool, as_int, one_line
 
 EXIT_GO, EXIT_REFUSED, EXIT_BAD_INPUT = 0, 1, 2
 MAX_STDIN = 16 * 1024 * 1024

@@ -12,7 +12,7 @@ import sys
 import urllib.error
 import urllib.request
 
-CONFIG: dict = {}  # replaced by ddtree_runtime.ops.fleet.router_script
+CONFIG: dict = {}  # replaced by ddtree_runtime.ops.fleet_status.router_script
 
 
 def main() -> None:

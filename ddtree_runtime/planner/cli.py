@@ -24,7 +24,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ddtree_runtime.inputs.deploy_inputs import InputError, split_launch_flags
+from ddtree_runtime.inputs.launch_flags import split_launch_flags
+from ddtree_runtime.inputs.values import InputError
 from ddtree_runtime.planner import gpus as gpu_facts
 from ddtree_runtime.planner.accounting import Plan, plan_memory
 from ddtree_runtime.planner.fixes import propose_changes

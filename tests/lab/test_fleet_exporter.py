@@ -20,14 +20,15 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ddtree_runtime.ops import fleet
+from ddtree_runtime.ops import fleet_ssh
+from ddtree_runtime.ops.fleet_inventory import Target, load_targets
 
 pytestmark = pytest.mark.lab
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _sh(t: fleet.Target, command: str) -> str:
-    rc, out, err = fleet.run_remote(t, command)
+def _sh(t: Target, command: str) -> str:
+    rc, out, err = fleet_ssh.run_remote(t, command)
     assert rc == 0, f"{command}: {out}{err}"
     return out
 
@@ -46,16 +47,16 @@ def _wheel(tmp: Path) -> Path:
 
 
 @pytest.fixture
-def host(lab) -> fleet.Target:
-    return fleet.load_targets(str(Path(lab.inventory_dir) / "hosts.yml"))[0]
+def host(lab) -> Target:
+    return load_targets(str(Path(lab.inventory_dir) / "hosts.yml"))[0]
 
 
 @pytest.fixture
-def release(host: fleet.Target, tmp_path: Path) -> Iterator[str]:
+def release(host: Target, tmp_path: Path) -> Iterator[str]:
     tag = uuid.uuid4().hex[:6]
     rel = f"/opt/ddtree/releases/ft-exporter-{tag}"
     wheel = _wheel(tmp_path)
-    client = fleet.open_client(host)
+    client = fleet_ssh.open_client(host)
     try:
         _sh(host, f"mkdir -p {rel} && python3 -m venv {rel}")
         with client.open_sftp() as sftp:
@@ -65,7 +66,7 @@ def release(host: fleet.Target, tmp_path: Path) -> Iterator[str]:
     _sh(host, f"{rel}/bin/pip install -q --no-index --no-deps {rel}/{wheel.name} "
               "/srv/wheelhouse/prometheus_client-*.whl")
     yield rel
-    fleet.run_remote(host, f"rm -rf {rel}")
+    fleet_ssh.run_remote(host, f"rm -rf {rel}")
 
 
 def _playbook(lab, *args: str) -> subprocess.CompletedProcess:
@@ -80,7 +81,7 @@ def _scrape(url: str, timeout: float = 10) -> dict[tuple[str, tuple], float]:
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
-def test_exporter_role_installs_a_scrapable_hardened_exporter(lab, host: fleet.Target, release: str):
+def test_exporter_role_installs_a_scrapable_hardened_exporter(lab, host: Target, release: str):
     tag = release.rsplit("-", 1)[1]
     unit, port = f"ddtree-ft-exp-{tag}", 9400 + int(tag, 16) % 90
     dead_port = 30900 + int(tag, 16) % 90  # nothing listens there: the periodic probe must say so
@@ -103,7 +104,7 @@ def test_exporter_role_installs_a_scrapable_hardened_exporter(lab, host: fleet.T
         # read from the journal, by the unprivileged probe user that owns the report
         assert [f["cause"] for f in report["figures"]["diagnosis"]] == ["port_in_use"]
         assert _sh(host, f"stat -c %U /var/lib/ddtree/probe/{unit}.json").strip() == "ddtree-probe"
-        rc, out, err = fleet.run_remote(host, f"{release}/bin/ddtree diagnose --unit {unit} --json")
+        rc, out, err = fleet_ssh.run_remote(host, f"{release}/bin/ddtree diagnose --unit {unit} --json")
         assert rc == 1 and json.loads(out)["causes"] == ["port_in_use"], err  # the CLI on a real journal
 
         s = _scrape(f"http://{host.address}:{port}/metrics")  # from the controller, over the lab net
@@ -142,17 +143,17 @@ def test_exporter_role_installs_a_scrapable_hardened_exporter(lab, host: fleet.T
         units = "/etc/systemd/system/ddtree-exporter.service /etc/systemd/system/ddtree-probe@.*"
         files = (f"/etc/ddtree/probe/{unit}.env /var/lib/ddtree/probe/{unit}.json "
                  f"/var/lib/ddtree/rollout/{unit}.json /var/lib/ddtree/rollout/{unit}.lock")
-        fleet.run_remote(host, f"systemctl stop {unit} ddtree-probe@{unit}.timer ddtree-exporter; "
+        fleet_ssh.run_remote(host, f"systemctl stop {unit} ddtree-probe@{unit}.timer ddtree-exporter; "
                                f"systemctl disable ddtree-exporter ddtree-probe@{unit}.timer; "
                                f"systemctl reset-failed {unit}; rm -f {units} {files}; "
                                "systemctl daemon-reload")
 
 
-def test_exporter_role_refuses_bad_variables_before_any_change(lab, host: fleet.Target):
+def test_exporter_role_refuses_bad_variables_before_any_change(lab, host: Target):
     res = _playbook(lab, "-l", host.name, "-e", '{"ddtree_exporter_port": 70000, '
                     '"ddtree_exporter_release_dir": "/nonexistent"}')
     assert res.returncode != 0
     assert "ddtree_exporter_port: 70000 is out of range: 1..65535" in res.stdout
     assert "FileNotFoundError" not in res.stdout
-    _, out, _ = fleet.run_remote(host, "test -e /etc/systemd/system/ddtree-exporter.service; echo $?")
+    _, out, _ = fleet_ssh.run_remote(host, "test -e /etc/systemd/system/ddtree-exporter.service; echo $?")
     assert out.strip() == "1"

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_runtime.ops import fleet
+from ddtree_runtime.ops import fleet_ssh
+from ddtree_runtime.ops.fleet_inventory import Target, load_targets
 
 # In a parallel run, one worker runs this module with the rest of tests/conftest.py's lab-engine group, in
 # file order on one lab: they share what a module deploys on ct129/ct130 (build A installs once).
@@ -38,18 +39,18 @@ def inventory(lab) -> str:
 
 
 @pytest.fixture
-def host(inventory: str) -> fleet.Target:
-    return fleet.load_targets(inventory)[0]
+def host(inventory: str) -> Target:
+    return load_targets(inventory)[0]
 
 
-def _sh(t: fleet.Target, command: str) -> str:
-    rc, out, err = fleet.run_remote(t, command)
+def _sh(t: Target, command: str) -> str:
+    rc, out, err = fleet_ssh.run_remote(t, command)
     assert rc == 0, f"{command}: {err}"
     return out
 
 
 @pytest.fixture
-def units(host: fleet.Target) -> Iterator[dict[str, str]]:
+def units(host: Target) -> Iterator[dict[str, str]]:
     """A healthy unit with state and probe files, and a unit in a start-up crash loop."""
     tag = uuid.uuid4().hex[:6]
     names = {"ok": f"ddtree-ft-ok-{tag}", "loop": f"ddtree-ft-loop-{tag}"}
@@ -76,10 +77,11 @@ def units(host: fleet.Target) -> Iterator[dict[str, str]]:
     yield names
     both = f"{names['ok']} {names['loop']}"
     files = f"/var/lib/ddtree/state/{names['ok']}.json /var/lib/ddtree/probe/{names['ok']}.json"
-    fleet.run_remote(host, f"systemctl stop {both}; systemctl reset-failed {both}; rm -f {script} {files}")
+    fleet_ssh.run_remote(host, f"systemctl stop {both}; systemctl reset-failed {both}; "
+                               f"rm -f {script} {files}")
 
 
-def test_status_rows_from_a_real_host(inventory: str, host: fleet.Target, units: dict[str, str]):
+def test_status_rows_from_a_real_host(inventory: str, host: Target, units: dict[str, str]):
     res = _cli("fleet", "status", "-i", inventory, "-l", host.name, "--unit", units["ok"],
                "--unit", units["loop"], "--json")
     assert res.returncode == 0, res.stderr
@@ -98,7 +100,7 @@ def test_status_rows_from_a_real_host(inventory: str, host: fleet.Target, units:
         assert cell in row
 
 
-def test_diagnose_host_names_the_crash_loop_cause(inventory: str, host: fleet.Target, units: dict[str, str]):
+def test_diagnose_host_names_the_crash_loop_cause(inventory: str, host: Target, units: dict[str, str]):
     res = _cli("diagnose", host.name, "-i", inventory, "--unit", units["loop"], "--json")
     assert res.returncode == 1, res.stderr
     doc = json.loads(res.stdout)
@@ -108,13 +110,13 @@ def test_diagnose_host_names_the_crash_loop_cause(inventory: str, host: fleet.Ta
     assert "mem_fraction_static=0.1" in mem["summary"] and "restart counter reached 3" in loop["summary"]
 
 
-def test_logs_show_the_units_journal(inventory: str, host: fleet.Target, units: dict[str, str]):
+def test_logs_show_the_units_journal(inventory: str, host: Target, units: dict[str, str]):
     res = _cli("fleet", "logs", host.name, "-i", inventory, "--unit", units["loop"], "-n", "50")
     assert res.returncode == 0, res.stderr
     assert MEM_LINE in res.stdout and "Start request repeated too quickly" in res.stdout
 
 
-def test_unreachable_host_is_a_row_not_a_crash(lab, inventory: str, host: fleet.Target, tmp_path: Path):
+def test_unreachable_host_is_a_row_not_a_crash(lab, inventory: str, host: Target, tmp_path: Path):
     # The lab inventory plus a host on the lab's own subnet where no machine answers.
     doc = (Path(inventory)).read_text()
     bogus = host.address.rsplit(".", 1)[0] + ".250"
@@ -128,7 +130,7 @@ def test_unreachable_host_is_a_row_not_a_crash(lab, inventory: str, host: fleet.
     assert rows["ct250"]["reachable"] is False and bogus in rows["ct250"]["error"]
 
 
-def test_unknown_host_key_is_refused_under_strict_checking(host: fleet.Target, tmp_path: Path):
+def test_unknown_host_key_is_refused_under_strict_checking(host: Target, tmp_path: Path):
     # Same host, strict checking, an empty known_hosts: fleet must refuse, as ssh would.
     inv = tmp_path / "hosts.yml"
     empty = tmp_path / "known_hosts"
@@ -145,7 +147,7 @@ def test_unknown_host_key_is_refused_under_strict_checking(host: fleet.Target, t
     assert empty.read_text() == ""  # nothing was added behind the operator's back
 
 
-def test_status_of_a_deployed_service(lab, wheelhouse, inventory: str, host: fleet.Target):
+def test_status_of_a_deployed_service(lab, wheelhouse, inventory: str, host: Target):
     # The product's deploy (a no-op when this checkout is already live there, as after the canary tests).
     deploy = lab.ansible_playbook("deploy.yml", "-l", host.name)
     assert deploy.returncode == 0, deploy.stdout[-4000:] + deploy.stderr[-2000:]

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_runtime.ops import fleet, fleet_remote
-from ddtree_runtime.ops.fleet import FleetError, Row, Target, load_targets
+from ddtree_runtime.ops import fleet_inventory, fleet_remote, fleet_status, fleet_table
+from ddtree_runtime.ops.fleet_inventory import FleetError, Target, load_targets
+from ddtree_runtime.ops.fleet_status import Row
 
 
 @pytest.fixture
@@ -68,7 +69,8 @@ def test_limit_and_bad_inventories(inventory: Path, tmp_path: Path):
 
 
 def test_ssh_option_parsing():
-    opts = fleet._ssh_options("-o UserKnownHostsFile=/a/kh -oStrictHostKeyChecking=no", "-o 'Port 2200'")
+    common = "-o UserKnownHostsFile=/a/kh -oStrictHostKeyChecking=no"
+    opts = fleet_inventory._ssh_options(common, "-o 'Port 2200'")
     assert opts == {"userknownhostsfile": "/a/kh", "stricthostkeychecking": "no", "port": "2200"}
 
 
@@ -80,11 +82,11 @@ def _closed_port() -> int:
 
 def test_unreachable_host_is_a_row_with_the_reason():
     down = Target("ct199", "127.0.0.1", port=_closed_port(), timeout=2)
-    rows = fleet.fleet_status([down], ["sglang-qwen", "sglang-qwen-shadow"])
+    rows = fleet_status.fleet_status([down], ["sglang-qwen", "sglang-qwen-shadow"])
     assert [(r.host, r.unit, r.reachable) for r in rows] == [
         ("ct199", "sglang-qwen", False), ("ct199", "sglang-qwen-shadow", False)]
     assert "connection refused" in rows[0].error
-    table = fleet.format_table(rows)
+    table = fleet_table.format_table(rows)
     assert "UNREACHABLE" in table and "ct199: root@127.0.0.1:" in table
 
 
@@ -119,10 +121,10 @@ def test_host_script_reads_the_role_files(tmp_path: Path, monkeypatch: pytest.Mo
     assert "answers" not in live["probe"]  # only what the table needs crosses the wire
     assert shadow["state"] is None and shadow["probe"] is None
 
-    (row, _) = fleet.rows_from_facts("ct129", facts, ["sglang-qwen", "sglang-qwen-shadow"])
+    (row, _) = fleet_status.rows_from_facts("ct129", facts, ["sglang-qwen", "sglang-qwen-shadow"])
     assert (row.profile, row.release) == ("balanced", "r1")
     assert (row.probe_ok, row.probe_cause) == (False, "acceptance_low")
-    line = fleet.format_table([row], now=1795946400.0 + 7260).splitlines()[1]
+    line = fleet_table.format_table([row], now=1795946400.0 + 7260).splitlines()[1]
     assert "FAIL:acceptance_low (2h1m ago)" in line and "1.10" in line
 
 
@@ -132,8 +134,8 @@ def test_table_shows_state_uptime_and_gpu_memory():
              "units": {"sglang-qwen": {"systemd": {"loaded": "loaded", "active": "active", "sub": "running",
                                                   "restarts": 2, "uptime_seconds": 93784.0},
                                       "state": {"profile": "shadow-small", "release": "r-9"}, "probe": None}}}
-    (row,) = fleet.rows_from_facts("ct129", facts, ["sglang-qwen"])
-    header, line = fleet.format_table([row]).splitlines()
+    (row,) = fleet_status.rows_from_facts("ct129", facts, ["sglang-qwen"])
+    header, line = fleet_table.format_table([row]).splitlines()
     assert header.split()[:3] == ["HOST", "UNIT", "STATE"]
     for cell in ("active (running)", "1d2h", "shadow-small", "r-9", "118/140G"):
         assert cell in line
@@ -152,19 +154,19 @@ def test_routers_come_from_a_second_inventory_source_and_their_state_fills_the_r
         "sglang_router_control_key: \"{{ 'k' * 20 }}\"\n")
     sources = [str(inventory), str(overlay)]
     assert [t.name for t in load_targets(sources)] == ["ct129", "ct130", "ct131"]  # router-only host: no row
-    (router,) = fleet.load_routers(sources, timeout=2)
+    (router,) = fleet_inventory.load_routers(sources, timeout=2)
     assert (router.target.name, router.port, router.key) == ("router1", 30090, "k" * 20)
     assert router.members == (("ct129", "192.0.2.129"), ("ct130", "192.0.2.130"))
-    states = fleet.rotation_states([router])  # the router host does not answer: said per member
+    states = fleet_status.rotation_states([router])  # the router host does not answer: said per member
     (cell,) = states["ct129"]
     assert cell.startswith("router1: ? (root@127.0.0.1:") and "connection refused" in cell
 
     facts = {"units": {"sglang-qwen": {"systemd": {"loaded": "loaded", "active": "active"}, "state": {}}}}
-    (row,) = fleet.rows_from_facts("ct129", facts, ["sglang-qwen"])
+    (row,) = fleet_status.rows_from_facts("ct129", facts, ["sglang-qwen"])
     row.rotation = ["router1: out"]
-    header, line = fleet.format_table([row]).splitlines()
+    header, line = fleet_table.format_table([row]).splitlines()
     assert "ROTATION" in header.split() and "router1: out" in line
-    assert fleet.ROUTER_PORT == 30080
+    assert fleet_inventory.ROUTER_PORT == 30080
 
 
 
@@ -179,9 +181,9 @@ def test_the_table_shows_each_budgets_estimated_tokens_per_round(tmp_path: Path,
     monkeypatch.setattr(fleet_remote, "STATE_ROOT", root)
     fleet_remote.main(["sglang-qwen", "sglang-qwen-shadow"])
     facts = json.loads(capsys.readouterr().out)
-    live, shadow = fleet.rows_from_facts("ct129", facts, ["sglang-qwen", "sglang-qwen-shadow"])
+    live, shadow = fleet_status.rows_from_facts("ct129", facts, ["sglang-qwen", "sglang-qwen-shadow"])
     want = {"16": round(800 / 260, 3), "chain": 2.0}  # budget 8's weight 0: no figure
     assert live.counterfactual == {"rounds": 400, "tokens_per_round": want}
     assert shadow.counterfactual is None  # a broken file: no figures, no crash
-    header, line, _shadow_line = fleet.format_table([live, shadow]).splitlines()
+    header, line, _shadow_line = fleet_table.format_table([live, shadow]).splitlines()
     assert "EST TOK/ROUND" in header and "chain:2.00 16:3.08 (400 rounds)" in line

@@ -16,8 +16,8 @@ import paramiko
 import pytest
 
 from ddtree_runtime.cli import main as ddtree_main
-from ddtree_runtime.ops import fleet
-from ddtree_runtime.ops.fleet import Target
+from ddtree_runtime.ops import fleet_status, fleet_table
+from ddtree_runtime.ops.fleet_inventory import Target
 from tests.unit.ssh_loopback import SSHHost, client_key, no_banner
 
 UNITS = ["sglang-qwen"]
@@ -43,9 +43,9 @@ def _target(
     )
 
 
-def _status(targets: list[Target]) -> tuple[dict[str, fleet.Row], float]:
+def _status(targets: list[Target]) -> tuple[dict[str, fleet_status.Row], float]:
     started = time.monotonic()
-    rows = fleet.fleet_status(targets, UNITS, forks=len(targets))
+    rows = fleet_status.fleet_status(targets, UNITS, forks=len(targets))
     return {r.host: r for r in rows}, time.monotonic() - started
 
 
@@ -113,7 +113,7 @@ def test_each_hosts_bad_answer_stays_in_its_own_row(key, tmp_path):
             + [_target("ok", honest.port, key[1], known, timeout=20)]
         )
     assert rows["ok"].reachable and rows["ok"].error is None
-    table = fleet.format_table(list(rows.values()))  # formatting a lie must not raise either
+    table = fleet_table.format_table(list(rows.values()))  # formatting a lie must not raise either
     for i in range(len(LIES)):
         row = rows[f"liar{i}"]
         assert f"liar{i}" in table

@@ -2,7 +2,7 @@
 path (issue 23, classes 1-3): refused at preflight naming the variable, the value and the rule, or
 quoted so that systemd reads back exactly what was meant.
 
-The rules (ddtree_runtime/inputs/deploy_inputs.py) are checked directly, case by case; the roles' use of them
+The rules (ddtree_runtime/inputs/) are checked directly, case by case; the roles' use of them
 through real ansible-playbook runs (a few, each carrying many cases at once: the check reports every
 problem); the rendered files through systemd's own parsers (tests/unit/_systemd.py).
 """
@@ -16,7 +16,14 @@ from typing import Any
 
 import pytest
 
-from ddtree_runtime.inputs import deploy_inputs as rules
+from ddtree_runtime.inputs import (
+    launch_flags,
+    role_checks,
+    router_flags,
+    service_command,
+    systemd_quoting,
+    values,
+)
 from tests.unit import _systemd
 from tests.unit._ansible import PLAYBOOKS, REPO, playbook
 
@@ -71,8 +78,8 @@ def _named(problems: list[str], variable: str) -> bool:
 
 
 def test_the_defaults_pass_and_render():
-    assert rules.service_problems(VALID) == []
-    argv = rules.service_argv(VALID)
+    assert role_checks.service_problems(VALID) == []
+    argv = service_command.service_argv(VALID)
     assert argv[:3] == ["/opt/ddtree/releases/x/bin/python", "-m", "sglang.launch_server"]
     assert argv[-4:] == ["--host", "127.0.0.1", "--port", "30000"]
     assert (
@@ -128,12 +135,12 @@ def test_the_defaults_pass_and_render():
     ],
 )
 def test_what_would_become_a_directive_or_an_env_line_is_refused(override, variable):
-    problems = rules.service_problems({**VALID, **override})
+    problems = role_checks.service_problems({**VALID, **override})
     assert _named(problems, variable), problems
 
 
 def test_a_secret_value_is_never_shown_in_a_refusal():
-    problems = rules.service_problems({**VALID, "secret_env": {"HF_TOKEN": "hf_top_secret\nX=1"}})
+    problems = role_checks.service_problems({**VALID, "secret_env": {"HF_TOKEN": "hf_top_secret\nX=1"}})
     assert _named(problems, "sglang_service_secret_env.HF_TOKEN")
     assert "hf_top_secret" not in " ".join(problems) and "(value hidden)" in " ".join(problems)
 
@@ -149,7 +156,7 @@ def test_a_secret_value_is_never_shown_in_a_refusal():
     ],
 )
 def test_flag_lists_split_the_way_inventories_write_them(items, argv):
-    assert rules.split_launch_flags(items) == argv
+    assert launch_flags.split_launch_flags(items) == argv
 
 
 def test_a_value_that_would_split_or_expand_is_one_quoted_word():
@@ -166,13 +173,13 @@ def test_a_value_that_would_split_or_expand_is_one_quoted_word():
         "`id`",
         "'q'",
     ):
-        quoted = rules.systemd_word(word)
+        quoted = systemd_quoting.systemd_word(word)
         assert quoted.startswith('"') or word.isascii() is False, quoted
         assert "$" not in quoted.replace("$$", "") and "%" not in quoted.replace("%%", "")
-    with pytest.raises(rules.InputError, match="control character"):
-        rules.systemd_word("a\nb")
-    with pytest.raises(rules.InputError, match="control character"):
-        rules.env_file_value("a\x00b")
+    with pytest.raises(values.InputError, match="control character"):
+        systemd_quoting.systemd_word("a\nb")
+    with pytest.raises(values.InputError, match="control character"):
+        systemd_quoting.env_file_value("a\x00b")
 
 
 # ---------------------------------------------------------------------------- class 2: shells and paths
@@ -229,8 +236,8 @@ def test_canary_values_that_reach_a_shell_or_a_path_are_refused(override, variab
         "state_dir": "/var/lib/ddtree/state",
         "rollback_dir": "/var/lib/ddtree/rollback",
     }
-    assert rules.canary_problems(valid) == []
-    assert _named(rules.canary_problems({**valid, **override}), variable)
+    assert role_checks.canary_problems(valid) == []
+    assert _named(role_checks.canary_problems({**valid, **override}), variable)
 
 
 ROUTER: dict[str, Any] = {
@@ -288,8 +295,8 @@ ROUTER: dict[str, Any] = {
     ],
 )
 def test_router_values_that_reach_its_unit_or_pip_are_refused(override, variable):
-    assert rules.router_problems(ROUTER) == []
-    problems = rules.router_problems({**ROUTER, **override})
+    assert router_flags.router_problems(ROUTER) == []
+    problems = router_flags.router_problems({**ROUTER, **override})
     assert _named(problems, variable), problems
     assert not any("a-control-key" in p or "short" in p for p in problems)  # the key never shows
 
@@ -313,8 +320,8 @@ def test_rotation_values_that_reach_a_router_or_a_wait_are_refused(override, var
              "worker_address": "10.0.4.11", "local_address": "127.0.0.1", "port": "30000",
              "shadow_port": 30001, "unit": "sglang-qwen", "state_dir": "/var/lib/ddtree/state",
              "drain_timeout": 600, "join_timeout": 120, "api_timeout": 10}  # fmt: skip
-    assert rules.rotation_problems(valid) == []
-    assert _named(rules.rotation_problems({**valid, **override}), variable)
+    assert role_checks.rotation_problems(valid) == []
+    assert _named(role_checks.rotation_problems({**valid, **override}), variable)
 
 
 @pytest.mark.parametrize(
@@ -330,7 +337,7 @@ def test_rotation_values_that_reach_a_router_or_a_wait_are_refused(override, var
     ],
 )
 def test_a_recorded_state_cannot_steer_paths_outside_their_directories(state, field):
-    problems = rules.recorded_state_problems("sglang-qwen.json", state, "/opt/ddtree/releases")
+    problems = role_checks.recorded_state_problems("sglang-qwen.json", state, "/opt/ddtree/releases")
     assert _named(problems, f"sglang-qwen.json {field}"), problems
     good = {
         "release": "0123456789abcdef",
@@ -339,20 +346,20 @@ def test_a_recorded_state_cannot_steer_paths_outside_their_directories(state, fi
         "release_dir": "/opt/ddtree/releases/0123456789abcdef",
         "profile": "balanced",
     }
-    assert rules.recorded_state_problems("s", good, "/opt/ddtree/releases") == []
+    assert role_checks.recorded_state_problems("s", good, "/opt/ddtree/releases") == []
 
 
 # ---------------------------------------------------------------------------- class 3: argument specs bind
 
 
 def test_bools_bind_a_string_false_is_false_and_a_typo_is_refused():
-    assert "--enable-metrics" not in rules.service_argv({**VALID, "enable_metrics": "false"})
-    assert "--enable-metrics" not in rules.service_argv({**VALID, "enable_metrics": "no"})
-    assert "--enable-metrics" in rules.service_argv({**VALID, "enable_metrics": "True"})
+    assert "--enable-metrics" not in service_command.service_argv({**VALID, "enable_metrics": "false"})
+    assert "--enable-metrics" not in service_command.service_argv({**VALID, "enable_metrics": "no"})
+    assert "--enable-metrics" in service_command.service_argv({**VALID, "enable_metrics": "True"})
     assert _named(
-        rules.service_problems({**VALID, "enable_metrics": "flase"}), "sglang_service_enable_metrics"
+        role_checks.service_problems({**VALID, "enable_metrics": "flase"}), "sglang_service_enable_metrics"
     )
-    assert _named(rules.service_problems({**VALID, "plan": "maybe"}), "sglang_service_plan")
+    assert _named(role_checks.service_problems({**VALID, "plan": "maybe"}), "sglang_service_plan")
 
 
 @pytest.mark.parametrize(
@@ -373,18 +380,18 @@ def test_bools_bind_a_string_false_is_false_and_a_typo_is_refused():
     ],
 )
 def test_ranges_and_accounts_are_checked(override, variable):
-    assert _named(rules.service_problems({**VALID, **override}), variable)
+    assert _named(role_checks.service_problems({**VALID, **override}), variable)
 
 
 def test_an_existing_account_the_install_would_rewrite_is_refused():
     home, shell = "/var/lib/sglang", "/usr/sbin/nologin"
     ours = "sglang:x:998:998::/var/lib/sglang:/usr/sbin/nologin"
-    assert rules.existing_account("u", "sglang", ours, home=home, shell=shell) is None
-    assert rules.existing_account("u", "sglang", "", home=home, shell=shell) is None  # created by the install
+    assert values.existing_account("u", "sglang", ours, home=home, shell=shell) is None
+    assert values.existing_account("u", "sglang", "", home=home, shell=shell) is None  # created by install
     toor = "toor:x:0:0:root:/root:/bin/bash"
-    assert "uid 0" in rules.existing_account("u", "toor", toor, home=home, shell=shell)
+    assert "uid 0" in values.existing_account("u", "toor", toor, home=home, shell=shell)
     person = "alice:x:1000:1000:Alice:/home/alice:/bin/bash"
-    found = rules.existing_account("sglang_service_user", "alice", person, home=home, shell=shell)
+    found = values.existing_account("sglang_service_user", "alice", person, home=home, shell=shell)
     assert found.startswith("sglang_service_user: 'alice' already exists") and "/home/alice" in found
 
 

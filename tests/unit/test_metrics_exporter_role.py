@@ -32,7 +32,7 @@ def test_layout_and_argspec_cover_every_default():
 def test_units_use_the_settled_release_and_the_exporter_port():
     exporter = (ROLE / "templates" / "ddtree-exporter.service.j2").read_text()
     probe = (ROLE / "templates" / "ddtree-probe@.service.j2").read_text()
-    # Every word through the systemd quoting of ddtree_runtime/inputs/deploy_inputs.py.
+    # Every word through the systemd quoting of ddtree_runtime/inputs/systemd_quoting.py.
     assert ("[ddtree_exporter_release ~ '/bin/ddtree', 'metrics', 'serve', '--listen', ddtree_exporter_listen"
             in exporter)
     assert "User={{ ddtree_exporter_user | ddtree_unit_value('ddtree_exporter_user') }}" in exporter

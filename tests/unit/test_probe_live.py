@@ -247,7 +247,7 @@ def test_wrong_only_in_a_batch_flipped_near_ties_and_zero_probability_are_not_lo
 def test_the_roles_allowance_is_a_strict_boolean_and_reaches_the_probe_command():
     from pathlib import Path
 
-    from ddtree_runtime.inputs.deploy_inputs import probe_problems
+    from ddtree_runtime.inputs.role_checks import probe_problems
 
     good = {"url": "http://127.0.0.1:30000", "unit_name": "sglang-qwen", "model_path": "/m/t",
             "draft_model_path": "/m/d", "report_dir": "/var/lib/ddtree/probe", "min_accept_length": 1.5,

@@ -296,7 +296,7 @@ def test_canary_traffic_judgement_reads_the_real_router_and_engines(fleet):
 
 def test_the_fleet_script_reads_the_router_with_its_key(fleet):
     """What `ddtree fleet status` runs on a router host over SSH (here locally, on stdin as there)."""
-    from ddtree_runtime.ops.fleet import router_script
+    from ddtree_runtime.ops.fleet_status import router_script
 
     def run(key: str) -> dict:
         proc = subprocess.run([sys.executable, "-"], input=router_script(fleet["router"].port, key),

@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 import yaml
 
-from ddtree_runtime.inputs import deploy_inputs
-from ddtree_runtime.ops import canary_traffic, fleet, rotation
+from ddtree_runtime.inputs import router_answers
+from ddtree_runtime.ops import canary_traffic, fleet_status, rotation
+from ddtree_runtime.ops.fleet_inventory import RouterTarget, Target
 from tests.unit._ansible import PLAYBOOKS, REPO, tool_env
 from tests.unit.hostile_http import HostileServer, respond
 
@@ -178,12 +179,12 @@ def test_the_shadow_is_removed_by_checked_ids_in_any_spelling():
 
 def test_the_rotation_file_gets_checked_urls_in_one_spelling_or_nothing():
     answer = {"workers": [_w(f"HTTP://{B}:30000/"), _w(MINE), _w("file:///etc/passwd")]}
-    assert deploy_inputs.router_rotation_urls(answer, "r1") == [MINE, f"http://{B}:30000"]
+    assert router_answers.router_rotation_urls(answer, "r1") == [MINE, f"http://{B}:30000"]
     for url in (f"http://{B}:30000\nLD_PRELOAD=/tmp/x.so", f"http://{B}:30000 --host 0.0.0.0"):
-        with pytest.raises(deploy_inputs.InputError, match="router r1 worker 0 url"):
-            deploy_inputs.router_rotation_urls({"workers": [_w(url)]}, "r1")
+        with pytest.raises(router_answers.InputError, match="router r1 worker 0 url"):
+            router_answers.router_rotation_urls({"workers": [_w(url)]}, "r1")
     assert (
-        deploy_inputs.router_rotation_urls({"workers": [_w("--host")]}, "r1") == []
+        router_answers.router_rotation_urls({"workers": [_w("--host")]}, "r1") == []
     )  # not http(s): left out
 
 
@@ -331,18 +332,18 @@ def test_a_listed_url_with_a_newline_never_reaches_the_rotation_file(tmp_path: P
 def test_fleet_status_survives_a_router_that_answers_anything(answer: Any, cell: str, monkeypatch):
     """The real router script (as SSH runs it on the router host) against a loopback router that lies."""
 
-    def run_here(_target: fleet.Target, command: str, stdin_text: str | None = None) -> tuple[int, str, str]:
+    def run_here(_target: Target, command: str, stdin_text: str | None = None) -> tuple[int, str, str]:
         assert command == "python3 -"
         proc = subprocess.run(
             [sys.executable, "-"], input=stdin_text, capture_output=True, text=True, timeout=30
         )
         return proc.returncode, proc.stdout, proc.stderr
 
-    monkeypatch.setattr(fleet, "run_remote", run_here)
+    monkeypatch.setattr(fleet_status, "run_remote", run_here)
     with HostileServer({"/workers": respond(200, answer)}) as server:
         port = int(server.url.rsplit(":", 1)[1])
-        router = fleet.RouterTarget(fleet.Target("r1", "127.0.0.1"), port, "", (("ct129", A), ("ct130", B)))
-        states = fleet.rotation_states([router])
+        router = RouterTarget(Target("r1", "127.0.0.1"), port, "", (("ct129", A), ("ct130", B)))
+        states = fleet_status.rotation_states([router])
     assert states["ct129"][0].startswith(cell), states
     assert len(states["ct130"]) == 1
 

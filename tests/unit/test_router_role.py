@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ddtree_runtime.inputs import deploy_inputs
+from ddtree_runtime.inputs import router_flags
 from tests.unit._ansible import PLAYBOOKS, REPO, playbook
 
 KEY = "a-control-key-of-24-chars"
@@ -168,9 +168,11 @@ def test_loopback_by_default(tmp_path: Path) -> None:
                 "sglang_router_health_check_interval_s": 0,
                 "sglang_router_user": "root",
             },
-            "sglang_router_health_check_interval_s: 0 is out of range: 1..3600; sglang_router_user: 'root' "
-            "is root: the service runs as a dedicated unprivileged account (the role creates it; the "
-            "default is fine); sglang_router_control_key: (value hidden) is not 16-256 characters",
+            # In the argument spec's order (the checks read the variables from it).
+            "sglang_router_control_key: (value hidden) is not 16-256 characters of A-Z a-z 0-9 and -_.~+/= "
+            "(or empty on a loopback router); sglang_router_health_check_interval_s: 0 is out of range: "
+            "1..3600; sglang_router_user: 'root' is root: the service runs as a dedicated unprivileged "
+            "account (the role creates it; the default is fine)",
         ),
     ],
 )
@@ -206,7 +208,7 @@ def _router_inputs(**over: object) -> dict:
 
 
 def _refusals(*flags: str, **over: object) -> list[str]:
-    return deploy_inputs.router_problems(_router_inputs(extra_flags=list(flags), **over))
+    return router_flags.router_problems(_router_inputs(extra_flags=list(flags), **over))
 
 
 def _prefixes(option: str, options: frozenset[str]) -> list[str]:
@@ -236,7 +238,7 @@ def test_every_flag_the_rendered_unit_sets_is_refused_in_every_spelling(exposed:
         "--prometheus-host",
         "--prometheus-port",
     } <= rendered
-    options = deploy_inputs.ROUTER_OPTIONS["0.3.2"]
+    options = router_flags.ROUTER_OPTIONS["0.3.2"]
     for option in sorted(rendered | {"--worker-urls", "--control-plane-api-keys", "--api-key"}):
         for spelling in _prefixes(option, options):
             for item in (f"{spelling} 1", f"{spelling}=1", spelling):
@@ -297,7 +299,7 @@ def _need_router() -> None:
 
 
 def test_the_flag_table_is_the_pinned_routers_own_parser() -> None:
-    """deploy_inputs.ROUTER_OPTIONS["0.3.2"] against the installed router's parser (make venv)."""
+    """router_flags.ROUTER_OPTIONS["0.3.2"] against the installed router's parser (make venv)."""
     _need_router()
     script = (
         "import argparse, json\n"
@@ -314,17 +316,17 @@ def test_the_flag_table_is_the_pinned_routers_own_parser() -> None:
     )
     assert res.returncode == 0, res.stderr
     version, abbrev, options = json.loads(res.stdout)
-    assert version in deploy_inputs.ROUTER_OPTIONS and abbrev is True
-    assert set(options) == deploy_inputs.ROUTER_OPTIONS[version]
+    assert version in router_flags.ROUTER_OPTIONS and abbrev is True
+    assert set(options) == router_flags.ROUTER_OPTIONS[version]
     launcher = (REPO / "roles/sglang_router/files/ddtree-router-launch.py").read_text()
     assert "launch_router(parse_router_args(" in launcher  # the API it calls in-process
     # The unit runs the launcher where the role installs it.
     tasks = yaml.safe_load((REPO / "roles/sglang_router/tasks/configure.yml").read_text())
     (install,) = [
-        t for t in tasks if t.get("ansible.builtin.copy", {}).get("src") == deploy_inputs.ROUTER_LAUNCHER
+        t for t in tasks if t.get("ansible.builtin.copy", {}).get("src") == router_flags.ROUTER_LAUNCHER
     ]
     assert (
-        install["ansible.builtin.copy"]["dest"] == "{{ sglang_router_root }}/" + deploy_inputs.ROUTER_LAUNCHER
+        install["ansible.builtin.copy"]["dest"] == "{{ sglang_router_root }}/" + router_flags.ROUTER_LAUNCHER
     )
 
 

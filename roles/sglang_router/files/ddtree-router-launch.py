@@ -19,7 +19,7 @@ import os
 import re
 import sys
 
-# What the rotation tasks write (deploy_inputs.worker_url's spelling), and a little more.
+# What the rotation tasks write (inputs/router_answers.worker_url's spelling), and a little more.
 _WORKER_URL = re.compile(r"https?://(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9.-]{1,253})(:[0-9]{1,5})?/?")
 _ENV_ONLY = ("--control-plane-api-keys", "--worker-urls")
 
