@@ -13,7 +13,7 @@ Exit codes (an Ansible task gates on them): 0 pass, 1 a check failed, 2 bad inpu
 reachable or not ready in time. Every HTTP exchange ends within its deadline (--timeout for readiness,
 --request-timeout for each request after it), however slowly the server answers, so `probe live`
 ends within --timeout + (3 x prompts + 4) x --request-timeout. Host side: stdlib only (plus our contract,
-diagnose, lossless and http_client).
+diagnose, lossless, http_client and sglang_client).
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ddtree_runtime.health import diagnose, http_client, lossless
+from ddtree_runtime.health import diagnose, http_client, lossless, sglang_client
 from ddtree_runtime.health.http_client import HTTPFailure
 from ddtree_runtime.health.report_file import write_json_atomic
+from ddtree_runtime.health.sglang_client import BadAnswer, is_int, number, read_json
 
 EXIT_PASS, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOT_READY = 0, 1, 2, 3
 
@@ -170,48 +171,7 @@ def _model_dir_problem(path: str) -> str | None:
     return None
 
 
-# ---------------------------------------------------------------------------- HTTP
-
-
-def http_request(url: str, *, payload: dict | None = None, timeout: float) -> tuple[int, bytes]:
-    """(status, body); HTTP error statuses are returned, failures raised as HTTPFailure (an OSError).
-
-    The whole exchange ends within `timeout` (see ddtree_runtime.health.http_client)."""
-    return http_client.request(url, payload=payload, timeout=timeout)
-
-
-class _BadResponse(ValueError):
-    """The server answered HTTP, but not what SGLang 0.5.23 answers: the message says what was off."""
-
-
-def _json(body: bytes) -> Any:
-    try:
-        return json.loads(body)
-    except (ValueError, RecursionError):  # not JSON, not UTF-8, 4300+ digit integers, deep nesting
-        return None
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _count(value: Any, where: str, *, required: bool = True) -> int | None:
-    """A token or step count from a server answer: a non-negative integer of sane size."""
-    if value is None and not required:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 10**12:
-        shown = repr(value)[:60]
-        raise _BadResponse(f"{where} is {shown}, not a count (a non-negative integer)")
-    return value
-
-
-def _number(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _BadResponse(f"{where} is {repr(value)[:60]}, not a number")
-    try:
-        return float(value)
-    except OverflowError:
-        raise _BadResponse(f"{where} is an integer too large for a float") from None
+# ---------------------------------------------------------------------------- readiness
 
 
 def _progress(msg: str) -> None:
@@ -243,7 +203,7 @@ def wait_ready(base: str, timeout: float, report: Report, *, poll_s: float = 2.0
     while True:
         remaining = deadline - time.monotonic()
         try:
-            status, _ = http_request(f"{base}/health_generate", timeout=min(30.0, max(remaining, 0.2)))
+            status = sglang_client.health_generate(base, timeout=min(30.0, max(remaining, 0.2)))
             reached, refused_after_reached, not_http = True, False, 0
             if status == 200:
                 report.figures["ready_seconds"] = round(time.monotonic() - start, 3)
@@ -305,12 +265,12 @@ def _tokenize(base: str, prompts: list[str], timeout: float, report: Report) -> 
     the same ids), or (None, why the lossless check cannot run: a server without /tokenize). A
     /tokenize that is there but fails fails the probe (lossless_check_error)."""
     try:
-        ids, why = lossless.tokenize(base, prompts, timeout=timeout)
+        ids, why = sglang_client.tokenize(base, prompts, timeout=timeout)
     except HTTPFailure as exc:
         cause = _failure_cause(exc)
         report.check("lossless", False, f"{exc}; {_FAILURE_HINT[cause]}", cause)
         return None, ""
-    if ids is None and not lossless.tokenize_absent(why):
+    if ids is None and not sglang_client.tokenize_absent(why):
         report.check("lossless", False, f"{why}: the lossless check cannot run", "lossless_check_error")
     return ids, why
 
@@ -328,7 +288,7 @@ def _count_problem(meta: dict, ids: list[int] | None, tokens: int, max_new_token
     kind = finish.get("type") if isinstance(finish, dict) else None
     if kind == "stop":
         matched = finish.get("matched")
-        if _is_int(matched) and ids is not None and (not ids or ids[-1] != matched or matched in ids[:-1]):
+        if is_int(matched) and ids is not None and (not ids or ids[-1] != matched or matched in ids[:-1]):
             return f"finish_reason stop at token {matched}, but the answer does not end at its first one"
         return None
     if n != max_new_tokens:
@@ -338,7 +298,7 @@ def _count_problem(meta: dict, ids: list[int] | None, tokens: int, max_new_token
 
 def _post(base: str, payload: dict, timeout: float) -> tuple[int, bytes] | HTTPFailure:
     try:
-        return http_request(f"{base}/generate", payload=payload, timeout=timeout)
+        return sglang_client.generate(base, payload, timeout=timeout)
     except HTTPFailure as exc:
         return exc
 
@@ -350,7 +310,7 @@ def _generate_doc(answer: tuple[int, bytes] | HTTPFailure, report: Report) -> di
         report.check("generate", False, f"{answer}; {_FAILURE_HINT[cause]}", cause)
         return None
     status, body = answer
-    doc = _json(body)
+    doc = read_json(body)
     if status != 200 or not isinstance(doc, dict):
         text = body.decode(errors="replace")[:2000]
         found = diagnose.scan(text)  # the server's error often names the failure itself
@@ -368,11 +328,12 @@ def _answer(doc: Any, prompt: str, max_new_tokens: int, report: Report, where: s
                      "bad_response")
         return None
     try:
-        answer, ids, tokens, verify = _parse_generation(doc)
-    except _BadResponse as exc:
+        parsed = sglang_client.parse_generation(doc)
+    except BadAnswer as exc:
         report.check("generate", False, f"{where}: POST /generate answered 200 but {exc}: "
                      "not an SGLang 0.5.23 answer", "bad_response")
         return None
+    answer, ids, tokens, verify = parsed.text, parsed.output_ids, parsed.completion_tokens, parsed.verify_ct
     if not answer.strip():
         report.check("generate", False, f"{where}: empty answer to {prompt!r}", "empty_answer")
         return None
@@ -422,84 +383,31 @@ def _generate(base: str, prompts: list[str], max_new_tokens: int, timeout: float
     return counts
 
 
-def _parse_generation(doc: dict) -> tuple[str, list[int] | None, int, int | None]:
-    text = doc.get("text")
-    if not isinstance(text, str):
-        raise _BadResponse(f"its text is {repr(text)[:60]}, not a string")
-    ids = doc.get("output_ids")
-    ids = ids if isinstance(ids, list) and all(isinstance(t, int) and not isinstance(t, bool)
-                                               for t in ids) else None
-    meta = doc.get("meta_info")
-    if meta is None:
-        meta = {}
-    if not isinstance(meta, dict):
-        raise _BadResponse(f"its meta_info is {repr(meta)[:60]}, not an object")
-    tokens = _count(meta.get("completion_tokens", 0), "meta_info.completion_tokens")
-    verify = _count(meta.get("spec_verify_ct"), "meta_info.spec_verify_ct", required=False)
-    assert tokens is not None
-    return text, ids, tokens, verify
-
-
 def _accept_length(counts: list, info: dict, base: str, timeout: float) -> tuple[float | None, str]:
     """Tokens per verify step: per-request meta first, then server state, then /metrics.
 
-    Raises _BadResponse when the server reports it in a shape SGLang never uses."""
+    Raises BadAnswer when the server reports it in a shape SGLang never uses."""
     verify = sum(v or 0 for _, v in counts)
     if verify > 0:
         tokens = sum(t for t, _ in counts)
         return tokens / verify, "generate meta_info (completion_tokens / spec_verify_ct)"
     states = info.get("internal_states")
     if states is not None and not isinstance(states, list):
-        raise _BadResponse(f"/server_info internal_states is {repr(states)[:60]}, not a list")
-    values = [_number(s["avg_spec_accept_length"], f"/server_info internal_states[{i}]'s accept length")
+        raise BadAnswer(f"/server_info internal_states is {repr(states)[:60]}, not a list")
+    values = [number(s["avg_spec_accept_length"], f"/server_info internal_states[{i}]'s accept length")
               for i, s in enumerate(states or [])
               if isinstance(s, dict) and s.get("avg_spec_accept_length") is not None]
     if values:
         return sum(values) / len(values), "server_info internal_states"
     try:
-        status, body = http_request(f"{base}/metrics", timeout=timeout)
+        status, body = sglang_client.metrics(base, timeout=timeout)
     except HTTPFailure:
         return None, "not reported"
     if status == 200:
-        value = _metric_value(body.decode(errors="replace"), "sglang:spec_accept_length")
+        value = sglang_client.metric_value(body.decode(errors="replace"), "sglang:spec_accept_length")
         if value is not None:
             return value, "/metrics sglang:spec_accept_length"
     return None, "not reported"
-
-
-def _metric_value(text: str, name: str) -> float | None:
-    """The first sample of `name` in Prometheus text (labels and timestamp allowed); malformed lines of
-    other series are none of our business, a malformed sample of ours is a bad answer."""
-    for line in text.splitlines():
-        if not line.startswith(name) or line[len(name):len(name) + 1] not in ("{", " "):
-            continue
-        rest = line[len(name):]
-        if rest.startswith("{"):
-            close = _labels_end(rest)
-            if close < 0:
-                raise _BadResponse(f"/metrics line {line[:100]!r} is malformed (labels not closed)")
-            rest = rest[close + 1:]
-        fields = rest.split()
-        try:
-            return float(fields[0])
-        except (IndexError, ValueError):
-            raise _BadResponse(f"/metrics line {line[:100]!r} is malformed (no number)") from None
-    return None
-
-
-def _labels_end(text: str) -> int:
-    """Index of the `}` closing the label set at text[0] (quotes and escapes respected), or -1."""
-    quoted = escaped = False
-    for i, ch in enumerate(text):
-        if escaped:
-            escaped = False
-        elif ch == "\\":
-            escaped = quoted
-        elif ch == '"':
-            quoted = not quoted
-        elif ch == "}" and not quoted:
-            return i
-    return -1
 
 
 def _block_size(report: Report, info: dict) -> int | None:
@@ -515,7 +423,7 @@ def _check_accept_length(report: Report, info: dict, counts: list, base: str, ti
                          min_accept_length: float | None) -> None:
     try:
         accept, source = _accept_length(counts, info, base, timeout)
-    except _BadResponse as exc:
+    except BadAnswer as exc:
         report.check("accept_length", False, f"{exc}: not an SGLang 0.5.23 answer", "bad_response")
         return
     report.figures["accept_length_source"] = source
@@ -593,7 +501,7 @@ def _run_lossless(base: str, report: Report, prompt_ids: list | None, skipped: s
     except HTTPFailure as exc:
         cause = _failure_cause(exc)
         report.check("lossless", False, f"{exc}; {_FAILURE_HINT[cause]}", cause)
-    except lossless.BadAnswer as exc:
+    except BadAnswer as exc:
         report.check("lossless", False, f"{exc}: not an SGLang 0.5.23 answer", "bad_response")
     return None
 
@@ -626,7 +534,7 @@ def check_live_args(url: str, *, timeout: float, request_timeout: float, max_new
         if isinstance(value, bool) or not isinstance(value, int | float) or not (
                 math.isfinite(value) and 0 < value <= MAX_WAIT_S):
             raise _ProbeInputError(f"{flag} {value!r}: pass a number of seconds in (0, {MAX_WAIT_S:g}]")
-    if not _is_int(max_new_tokens) or not 1 <= max_new_tokens <= 100_000:
+    if not is_int(max_new_tokens) or not 1 <= max_new_tokens <= 100_000:
         raise _ProbeInputError(f"--max-new-tokens {max_new_tokens!r}: pass an integer in 1..100000")
     if min_accept_length is not None and not (
             isinstance(min_accept_length, int | float) and math.isfinite(min_accept_length)
@@ -676,12 +584,11 @@ def live_probe(url: str, *, timeout: float = 600, min_accept_length: float | Non
     if checked is None:
         return report
     try:
-        status, body = http_request(f"{base}/server_info", timeout=request_timeout)
+        status, info = sglang_client.server_info(base, timeout=request_timeout)
     except HTTPFailure as exc:
         cause = _failure_cause(exc)
         report.check("server_info", False, f"{exc}; {_FAILURE_HINT[cause]}", cause)
         return report
-    info = _json(body)
     if status != 200 or not isinstance(info, dict):
         shown = f"HTTP {status}" if status != 200 else "HTTP 200 but not a JSON object"
         report.check("server_info", False, f"/server_info {shown}", "server_info_unavailable")
