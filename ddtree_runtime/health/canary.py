@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ddtree_runtime.health import http_client, sglang_client
-from ddtree_runtime.health.probe import DEFAULT_PROMPTS, Check
+from ddtree_runtime.health.probe_report import Check
+from ddtree_runtime.health.prompts import DEFAULT_PROMPTS
 from ddtree_runtime.health.report_file import write_json_atomic
 
 EXIT_PROMOTE, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOT_READY = 0, 1, 2, 3
