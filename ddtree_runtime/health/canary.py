@@ -21,12 +21,12 @@ import sys
 import time
 import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ddtree_runtime.health import http_client
-from ddtree_runtime.health.probe import DEFAULT_PROMPTS, Check, http_request
+from ddtree_runtime.health import http_client, sglang_client
+from ddtree_runtime.health.probe_report import Check
+from ddtree_runtime.health.prompts import DEFAULT_PROMPTS
 from ddtree_runtime.health.report_file import write_json_atomic
 
 EXIT_PROMOTE, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_NOT_READY = 0, 1, 2, 3
@@ -235,7 +235,7 @@ def wait_ready(side: Side, timeout: float, poll_s: float = 1.0) -> None:
     deadline, last = time.monotonic() + timeout, "no answer"
     while True:
         try:
-            status, _ = http_request(f"{side.url}/health_generate", timeout=max(1.0, min(30.0, timeout)))
+            status = sglang_client.health_generate(side.url, timeout=max(1.0, min(30.0, timeout)))
             if status == 200:
                 return
             last = f"HTTP {status}"
@@ -250,10 +250,10 @@ def read_server_info(side: Side, timeout: float) -> None:
     """The side's own account of itself; ``side.identity`` stays None when /server_info cannot be read
     (the comparison then cannot tell live from shadow, and aborts)."""
     try:
-        status, body = http_request(f"{side.url}/server_info", timeout=timeout)
-        info = json.loads(body) if status == 200 else None
-    except (urllib.error.URLError, OSError, ValueError, RecursionError):
-        info = None
+        status, info = sglang_client.server_info(side.url, timeout=timeout)
+    except (urllib.error.URLError, OSError, ValueError):
+        status, info = 0, None
+    info = info if status == 200 else None
     if not isinstance(info, dict):
         return
     hs = info.get("ddtree_handshake") if isinstance(info.get("ddtree_handshake"), dict) else {}
@@ -309,14 +309,11 @@ def generate(side: Side, prompt: str, max_new_tokens: int, timeout: float) -> An
     payload = {"text": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens}}
     started = time.monotonic()
     try:
-        status, body = http_request(f"{side.url}/generate", payload=payload, timeout=timeout)
+        status, body = sglang_client.generate(side.url, payload, timeout=timeout)
     except (urllib.error.URLError, OSError) as exc:
         raise RuntimeError(f"{side.name}: POST /generate failed: {getattr(exc, 'reason', exc)}") from exc
     latency = time.monotonic() - started
-    try:
-        doc = json.loads(body)
-    except (ValueError, RecursionError):
-        doc = None
+    doc = sglang_client.read_json(body)
     if status != 200 or not isinstance(doc, dict) or not isinstance(doc.get("output_ids"), list):
         text = body.decode(errors="replace")[:500]
         raise RuntimeError(f"{side.name}: POST /generate HTTP {status}: {text}")
@@ -359,7 +356,7 @@ def _untrustworthy(a: Answer, block_size: int | None) -> str | None:
 
 
 def _count(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 10**12:
+    if not sglang_client.is_count(value):
         raise ValueError(f"{str(value)[:40]!r} is not a token id or count")
     return value
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from ddtree_runtime.health import http_client
+from ddtree_runtime.health import http_client, sglang_client
 
 PREFIX = "sglang:ddtree_counterfactual_"
 ROUND_FIELDS = ("rounds_scored", "rounds_sampled", "rounds_dropped", "rounds_discarded",
@@ -66,7 +66,7 @@ def fetch_metrics(url: str, *, timeout: float = 10.0) -> str:
     """The server's /metrics text (``url`` is its base URL). Raises http_client.HTTPFailure or
     ValueError (a bad URL, an HTTP error status)."""
     base = http_client.check_base_url(url)
-    status, body = http_client.request(base + "/metrics", timeout=timeout)
+    status, body = sglang_client.metrics(base, timeout=timeout)
     if status != 200:
         raise ValueError(f"GET {base}/metrics answered HTTP {status} (is --enable-metrics set?)")
     return body.decode("utf-8", errors="replace")

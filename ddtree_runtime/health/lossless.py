@@ -30,32 +30,34 @@ operator allowed it. A server that has them but whose check fails (an HTTP error
 fields on some answers only) gets ``status: failed`` with the prompt and the error in ``errors``.
 
 ``check_lossless(base_url, prompts)`` is the whole check as one call (tokenize, generate at T = 0,
-verify); the live probe runs its parts around its own generation (``tokenize``, ``verify``). Host
-side: stdlib only (plus our http_client).
+verify); the live probe runs its parts around its own generation (``sglang_client.tokenize``,
+``verify``). Host side: stdlib only (plus our SGLang client, which reads the logprob entries).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ddtree_runtime.health import http_client
+from ddtree_runtime.health import http_client, sglang_client
+from ddtree_runtime.health.sglang_client import (
+    BadAnswer,
+    logprob_entry,
+    read_json,
+    token_ids,
+    tokenize,
+    tokenize_absent,
+    top1,
+)
 
 DEFAULT_MARGIN = 0.5  # nats; see the module docstring
 DEFAULT_MAX_NEAR_TIE_RATE = 0.05  # near-ties per checked token; see the module docstring
-# Status codes of an endpoint a server does not have at all (not a failure of one it has).
-ABSENT_STATUSES = (404, 405, 501)
 TOP_LOGPROBS = 2  # the target's top two per position
 MAX_GAPS = 100  # gaps listed in a report (the counts cover every position)
 PASSED, FAILED, NOT_CHECKED = "passed", "failed", "not_checked"
-
-
-class BadAnswer(ValueError):
-    """An answer SGLang 0.5.23 never gives (wrong types, misaligned logprobs): the probe's bad_response."""
 
 
 class _NotChecked(Exception):
@@ -92,40 +94,6 @@ def check_failed(reason: str, margin: float = DEFAULT_MARGIN, **extra: Any) -> d
     return {**not_checked(reason, margin), "status": FAILED, "errors": [reason], **extra}
 
 
-def _json(body: bytes) -> Any:
-    try:
-        return json.loads(body)
-    except (ValueError, RecursionError):
-        return None
-
-
-def _ids(value: Any) -> list[int] | None:
-    if isinstance(value, list) and value and all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in value):
-        return value
-    return None
-
-
-def tokenize(base: str, prompts: Sequence[str], *, timeout: float) -> tuple[list[list[int]] | None, str]:
-    """The server's token ids of each prompt (SGLang's ``POST /tokenize``, what ``/generate`` reads a
-    text as), or (None, why not). Raises http_client.HTTPFailure when the server does not answer."""
-    status, body = http_client.request(f"{base}/tokenize", payload={"prompt": list(prompts)}, timeout=timeout)
-    doc = _json(body)
-    if status != 200 or not isinstance(doc, dict):
-        return None, (f"POST /tokenize answered HTTP {status}" + ("" if status != 200 else " but not a JSON "
-                      "object") + ": the server cannot say which token ids it reads the prompts as")
-    tokens = doc.get("tokens")
-    ids = [_ids(t) for t in tokens] if isinstance(tokens, list) and len(tokens) == len(prompts) else None
-    if ids is None or any(t is None for t in ids):
-        return None, "POST /tokenize answered 200 without one non-empty list of token ids per prompt"
-    return [list(t) for t in ids if t is not None], ""
-
-
-def tokenize_absent(why: str) -> bool:
-    """Whether ``tokenize``'s reason says the server has no /tokenize at all (only then not_checked)."""
-    return any(why.startswith(f"POST /tokenize answered HTTP {code}:") for code in ABSENT_STATUSES)
-
-
 def check_request(generations: Sequence[Generation]) -> dict[str, Any]:
     """The one batched /generate that asks the target for its choice at every emitted position."""
     return {
@@ -152,8 +120,8 @@ def verify(base: str, generations: Sequence[Generation], *, margin: float = DEFA
         if not gen.output_ids:
             answers.append({"meta_info": {}})
             continue
-        status, body = http_client.request(f"{base}/generate", payload=check_request([gen]), timeout=timeout)
-        doc = _json(body)
+        status, body = sglang_client.generate(base, check_request([gen]), timeout=timeout)
+        doc = read_json(body)
         if status != 200:
             shown = body.decode(errors="replace").replace("\n", " ")[:300]
             answers.append(_CheckError(f"prompt {i}: the check request (return_logprob, max_new_tokens 1) "
@@ -256,11 +224,11 @@ def _compare(index: int, gen: Generation, answer: Any, margin: float, tally: _Ta
                         "positions asked for")
     # Aligned from the end: the last m entries are the positions of the emitted tokens.
     for k, (entry, top, emitted) in enumerate(zip(tokens[-m:], tops[-m:], gen.output_ids, strict=True)):
-        emitted_lp, echoed = _logprob_entry(entry, f"{where}: input_token_logprobs[{k - m}]", zero_ok=True)
+        emitted_lp, echoed = logprob_entry(entry, f"{where}: input_token_logprobs[{k - m}]", zero_ok=True)
         if echoed != emitted:
             raise BadAnswer(f"{where}: input_token_logprobs[{k - m}] is {str(entry)[:80]}, not the "
                             f"logprob of the emitted token {emitted}")
-        target_lp, target = _top1(top, f"{where}: input_top_logprobs[{k - m}]")
+        target_lp, target = top1(top, f"{where}: input_top_logprobs[{k - m}]")
         # No logprob (-inf, which SGLang's JSON writes as null): the target gives it probability 0.
         gap = math.inf if emitted_lp is None else target_lp - emitted_lp
         tally.tokens += 1
@@ -279,37 +247,6 @@ def _compare(index: int, gen: Generation, answer: Any, margin: float, tally: _Ta
         else:
             tally.mismatches += 1
             tally.first_mismatch = tally.first_mismatch or found
-
-
-def _logprob_entry(entry: Any, where: str, *, zero_ok: bool = False) -> tuple[float | None, int]:
-    """SGLang's [logprob, token_id, text-or-null]: (logprob or None, token id). With ``zero_ok`` a -inf
-    logprob (probability 0) comes back as None, like SGLang's null."""
-    if not isinstance(entry, list) or len(entry) < 2 or not _is_id(entry[1]):
-        raise BadAnswer(f"{where} is {str(entry)[:80]}, not [logprob, token_id, text]")
-    lp = entry[0]
-    if lp is None or (zero_ok and isinstance(lp, float) and lp == -math.inf):
-        return None, entry[1]
-    if isinstance(lp, bool) or not isinstance(lp, int | float) or not math.isfinite(lp) or lp > 1e-3:
-        raise BadAnswer(f"{where} has logprob {str(lp)[:40]}, not a finite log-probability")
-    return float(lp), entry[1]
-
-
-def _top1(top: Any, where: str) -> tuple[float, int]:
-    if not isinstance(top, list) or not top:
-        raise BadAnswer(f"{where} is {str(top)[:80]}, not a list of the target's top tokens")
-    best: tuple[float, int] | None = None
-    for entry in top:
-        lp, token = _logprob_entry(entry, where)
-        if lp is None:
-            raise BadAnswer(f"{where} lists token {token} without a logprob")
-        if best is None or lp > best[0] or (lp == best[0] and token < best[1]):
-            best = (lp, token)
-    assert best is not None
-    return best
-
-
-def _is_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**31
 
 
 def summary(report: dict[str, Any]) -> str:
@@ -337,9 +274,9 @@ def generate_greedy(base: str, prompt_ids: list[int], *, max_new_tokens: int, ti
     """The server's T = 0 answer to these ids (what the live probe generates)."""
     sampling = {"temperature": 0, "max_new_tokens": max_new_tokens}
     payload = {"input_ids": prompt_ids, "sampling_params": sampling}
-    status, body = http_client.request(f"{base}/generate", payload=payload, timeout=timeout)
-    doc = _json(body)
-    ids = _ids(doc.get("output_ids")) if isinstance(doc, dict) else None
+    status, body = sglang_client.generate(base, payload, timeout=timeout)
+    doc = read_json(body)
+    ids = token_ids(doc.get("output_ids")) if isinstance(doc, dict) else None
     if status != 200 or ids is None:
         shown = body.decode(errors="replace").replace("\n", " ")[:300]
         raise BadAnswer(f"POST /generate answered HTTP {status} without output_ids: {shown}")

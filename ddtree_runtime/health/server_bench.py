@@ -10,7 +10,8 @@ steps). One JSON line per (concurrency, repeat), then one summary line per concu
 the repeats. The output ids of every request are kept (``--ids-out``) so the caller can check them
 against another server's: a benchmark of a wrong decoder counts for nothing.
 
-Stdlib only, like the probes' client: it runs on a bare GPU host next to the server.
+Stdlib only, through the health tools' SGLang client (``sglang_client.stream_generate``): it runs on a
+bare GPU host next to the server.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import json
 import statistics
 import threading
 import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from ddtree_runtime.health import sglang_client
 
 MAX_CONCURRENCY = 256
 MAX_REQUESTS = 100_000
@@ -46,29 +48,15 @@ def stream_generate(
     url: str, prompt: str, max_new_tokens: int, temperature: float, timeout: float
 ) -> dict[str, Any]:
     """One streamed /generate: time to the first chunk, the last chunk's meta_info and output ids."""
-    body = json.dumps({
+    payload = {
         "text": prompt, "stream": True,
         "sampling_params": {"temperature": temperature, "max_new_tokens": max_new_tokens, "ignore_eos": True},
-    }).encode()  # fmt: skip
-    req = urllib.request.Request(url + "/generate", data=body, headers={"Content-Type": "application/json"})
-    start = time.perf_counter()
-    first: float | None = None
-    last: dict[str, Any] = {}
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        for raw in resp:
-            line = raw.decode("utf-8", "replace").strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[len("data:") :].strip()
-            if data == "[DONE]":
-                break
-            if first is None:
-                first = time.perf_counter()
-            last = json.loads(data)
-    end = time.perf_counter()
+    }  # fmt: skip
+    stream = sglang_client.stream_generate(url, payload, timeout=timeout)
+    last = stream.last
     meta = last.get("meta_info") or {}
     return {
-        "ttft_s": (first or end) - start, "e2e_s": end - start,
+        "ttft_s": stream.ttft_s, "e2e_s": stream.e2e_s,
         "completion_tokens": int(meta.get("completion_tokens") or 0),
         "verify_steps": int(meta.get("spec_verify_ct") or 0),
         "output_ids": list(last.get("output_ids") or []),

@@ -162,7 +162,7 @@ def test_server_info_and_metrics_carry_the_handshake(ddtree):
 
 
 def test_live_probe_passes_with_the_handshake(ddtree):
-    from ddtree_runtime.health.probe import live_probe
+    from ddtree_runtime.health.probe_live import live_probe
 
     started = time.monotonic()
     probe = live_probe(

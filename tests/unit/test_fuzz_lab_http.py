@@ -294,7 +294,7 @@ def test_sigterm_drains_despite_a_client_stalled_mid_body(server: LabServerProce
 def test_an_omitted_temperature_is_sglangs_default() -> None:
     """A request that names no temperature samples, as SGLang's SamplingParams() does."""
     sampling = pytest.importorskip("sglang.srt.sampling.sampling_params")
-    from ddtree_runtime.tiny_engine.http_api import sampling_params
+    from ddtree_runtime.tiny_engine.sglang_requests import sampling_params
     from ddtree_runtime.tiny_engine.tokenizer import LabTokenizer
 
     vocab = LabTokenizer().vocab_size

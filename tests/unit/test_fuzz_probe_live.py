@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from ddtree_runtime.health.probe import EXIT_FAILED, EXIT_NOT_READY, EXIT_PASS, live_probe
+from ddtree_runtime.health.probe_live import live_probe
+from ddtree_runtime.health.probe_report import EXIT_FAILED, EXIT_NOT_READY, EXIT_PASS
 from tests.unit.fake_sglang import SERVER_INFO
 from tests.unit.hostile_http import HostileServer, close, drip, endless, hang, raw, reset, respond
 

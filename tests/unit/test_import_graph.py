@@ -140,10 +140,10 @@ def test_each_floor_imports_only_the_floors_below(module: str) -> None:
 
 
 def test_floor_rule_sees_a_reach_upwards() -> None:
-    """The rule above is not vacuous: core's tree reaches the kernels, health's probe the contract."""
+    """The rule above is not vacuous: core's tree reaches the kernels, health's static probe the contract."""
     graph = import_graph()
     assert _floor(f"{PACKAGE}.core.tree") == f"{PACKAGE}.core"
-    assert f"{PACKAGE}.core.contract" in graph[f"{PACKAGE}.health.probe"]
+    assert f"{PACKAGE}.core.contract" in graph[f"{PACKAGE}.health.probe_static"]
     assert _floor(f"{PACKAGE}.ops.fleet") is None  # the controller side may import any floor
 
 

@@ -143,7 +143,9 @@ def test_committing_by_row_count_breaks_trees_but_not_the_chain(models: Path, gr
 
 
 def test_served_hybrid_pair_passes_the_live_probe_reporting_it_hybrid(models: Path, tmp_path: Path) -> None:
-    from ddtree_runtime.health.probe import EXIT_PASS, live_probe, static_probe
+    from ddtree_runtime.health.probe_live import live_probe
+    from ddtree_runtime.health.probe_report import EXIT_PASS
+    from ddtree_runtime.health.probe_static import static_probe
     from tests.unit._lab import LabServerProcess
 
     static = static_probe(str(models / "target"), str(models / "draft"))

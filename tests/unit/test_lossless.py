@@ -17,13 +17,13 @@ from ddtree_runtime.health.lossless import (
     FAILED,
     NOT_CHECKED,
     PASSED,
-    BadAnswer,
     Generation,
     check_request,
     compare_answers,
     failure_cause,
     summary,
 )
+from ddtree_runtime.health.sglang_client import BadAnswer
 from tests.unit._lossless_answers import PROMPT, answer
 
 

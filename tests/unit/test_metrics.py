@@ -14,7 +14,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ddtree_runtime.health import metrics
-from ddtree_runtime.health.probe import live_probe, write_report
+from ddtree_runtime.health.probe_live import live_probe
+from ddtree_runtime.health.probe_report import write_report
 from tests.unit._lab import free_port
 from tests.unit.fake_sglang import FakeSGLang, Scenario
 
@@ -75,13 +76,14 @@ def test_state_files_become_metrics(host: Path):
 
 def test_a_probe_that_found_the_verify_not_lossless_exposes_the_counts(host: Path):
     from ddtree_runtime.health import lossless
-    from ddtree_runtime.health.probe import Report, _check_lossless
+    from ddtree_runtime.health.probe_lossless import check_lossless_result
+    from ddtree_runtime.health.probe_report import Report
     from tests.unit._lossless_answers import PROMPT, answer
 
     gen = lossless.Generation(PROMPT, [5, 2, 9])
     tops = [[(-0.4, 5), (-1.2, 3)], [(-0.3, 6), (-2.1, 2)], [(-0.8, 4), (-0.9, 9)]]
     report = Report("live")
-    _check_lossless(report, lossless.compare_answers([gen], [answer(gen, tops)]))
+    check_lossless_result(report, lossless.compare_answers([gen], [answer(gen, tops)]))
     write_report(report, str(host / "probe" / "sglang-qwen-shadow.json"))
     s = _samples(metrics.generate_latest(metrics.build_registry(str(host), systemd=False)).decode())
     u = ("unit", "sglang-qwen-shadow")
@@ -94,13 +96,14 @@ def test_a_probe_that_found_the_verify_not_lossless_exposes_the_counts(host: Pat
 
 def test_a_check_that_could_not_run_is_not_counted_as_checked(host: Path):
     from ddtree_runtime.health import lossless
-    from ddtree_runtime.health.probe import Report, _check_lossless
+    from ddtree_runtime.health.probe_lossless import check_lossless_result
+    from ddtree_runtime.health.probe_report import Report
     from tests.unit._lossless_answers import PROMPT, answer
 
     gens = [lossless.Generation(PROMPT, [5]), lossless.Generation([3], [4])]
     good = answer(gens[0], [[(-0.1, 5), (-2.0, 1)]])
     report = Report("live")
-    _check_lossless(report, lossless.compare_answers(gens, [good, {"text": "x"}]))
+    check_lossless_result(report, lossless.compare_answers(gens, [good, {"text": "x"}]))
     write_report(report, str(host / "probe" / "sglang-qwen.json"))
     s = _samples(metrics.generate_latest(metrics.build_registry(str(host), systemd=False)).decode())
     u = ("unit", "sglang-qwen")

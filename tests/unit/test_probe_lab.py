@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from ddtree_runtime.health import diagnose
-from ddtree_runtime.health.probe import EXIT_FAILED, EXIT_NOT_READY, EXIT_PASS, live_probe, static_probe
+from ddtree_runtime.health.probe_live import live_probe
+from ddtree_runtime.health.probe_report import EXIT_FAILED, EXIT_NOT_READY, EXIT_PASS
+from ddtree_runtime.health.probe_static import static_probe
 from tests.unit._lab import LabServerProcess, contrary_drafter, lab_models
 
 

@@ -10,14 +10,9 @@ import sys
 
 import pytest
 
-from ddtree_runtime.health.probe import (
-    EXIT_BAD_INPUT,
-    EXIT_FAILED,
-    EXIT_NOT_READY,
-    EXIT_PASS,
-    attach_diagnosis,
-    live_probe,
-)
+from ddtree_runtime.health.probe import attach_diagnosis
+from ddtree_runtime.health.probe_live import live_probe
+from ddtree_runtime.health.probe_report import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_NOT_READY, EXIT_PASS
 from tests.unit.fake_sglang import FakeSGLang, Scenario, Toy
 
 REPORT_KEYS = {"probe", "ok", "cause", "message", "checks", "figures", "handshake", "time"}

@@ -7,7 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ddtree_runtime.health.probe import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_PASS, static_probe
+from ddtree_runtime.health.probe_report import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_PASS
+from ddtree_runtime.health.probe_static import static_probe
 from tests.fixtures_models import write_pair
 
 

@@ -1,0 +1,119 @@
+"""What the live probe reads in a server's own account of itself (/server_info, else /metrics): the
+DDTree handshake, the acceptance length, the overlap scheduler. Host side: stdlib only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ddtree_runtime.health import sglang_client
+from ddtree_runtime.health.http_client import HTTPFailure
+from ddtree_runtime.health.probe_report import Report
+from ddtree_runtime.health.sglang_client import BadAnswer, number
+
+
+def _accept_length(counts: list, info: dict, base: str, timeout: float) -> tuple[float | None, str]:
+    """Tokens per verify step: per-request meta first, then server state, then /metrics.
+
+    Raises BadAnswer when the server reports it in a shape SGLang never uses."""
+    verify = sum(v or 0 for _, v in counts)
+    if verify > 0:
+        tokens = sum(t for t, _ in counts)
+        return tokens / verify, "generate meta_info (completion_tokens / spec_verify_ct)"
+    states = info.get("internal_states")
+    if states is not None and not isinstance(states, list):
+        raise BadAnswer(f"/server_info internal_states is {repr(states)[:60]}, not a list")
+    values = [number(s["avg_spec_accept_length"], f"/server_info internal_states[{i}]'s accept length")
+              for i, s in enumerate(states or [])
+              if isinstance(s, dict) and s.get("avg_spec_accept_length") is not None]
+    if values:
+        return sum(values) / len(values), "server_info internal_states"
+    try:
+        status, body = sglang_client.metrics(base, timeout=timeout)
+    except HTTPFailure:
+        return None, "not reported"
+    if status == 200:
+        value = sglang_client.metric_value(body.decode(errors="replace"), "sglang:spec_accept_length")
+        if value is not None:
+            return value, "/metrics sglang:spec_accept_length"
+    return None, "not reported"
+
+
+def _block_size(report: Report, info: dict) -> int | None:
+    """The most tokens one verify step can accept (bonus included): the drafter's block size."""
+    for value in (report.handshake.get("block_size"), info.get("speculative_dflash_block_size"),
+                  info.get("speculative_num_draft_tokens")):
+        if isinstance(value, int) and not isinstance(value, bool) and 2 <= value <= 10**6:
+            return value
+    return None
+
+
+def check_accept_length(report: Report, info: dict, counts: list, base: str, timeout: float,
+                         min_accept_length: float | None) -> None:
+    try:
+        accept, source = _accept_length(counts, info, base, timeout)
+    except BadAnswer as exc:
+        report.check("accept_length", False, f"{exc}: not an SGLang 0.5.23 answer", "bad_response")
+        return
+    report.figures["accept_length_source"] = source
+    if accept is None:
+        report.figures["accept_length"] = None
+        if min_accept_length is not None:
+            report.check("accept_length", False, f"not reported by the server, minimum {min_accept_length:g}",
+                         "acceptance_low")
+        return
+    block = _block_size(report, info)
+    # Per-request meta counts the prefill's first token too: up to one token more than a block per request.
+    upper = None if block is None else block + (1 if source.startswith("generate") else 0)
+    valid = math.isfinite(accept) and accept >= 1 and (upper is None or accept <= upper)
+    report.figures["accept_length"] = round(accept, 4) if valid else None
+    if not valid:
+        bound = f"1..{upper}" if upper is not None else "at least 1"
+        report.figures["accept_length_reported"] = repr(accept)
+        report.check("accept_length", False, f"the server reports {accept!r} tokens per verify step "
+                     f"({source}), outside the possible range {bound} (block size {block}): its "
+                     "speculative counters are broken", "accept_length_invalid")
+        return
+    if min_accept_length is not None:
+        report.check("accept_length", accept >= min_accept_length,
+                     f"{accept:.3f} tokens per verify step, minimum {min_accept_length:g} ({source})",
+                     "acceptance_low")
+
+
+def check_handshake(report: Report, hs: Any) -> None:
+    if not isinstance(hs, dict):
+        report.check("handshake", False, "server_info has no ddtree_handshake: the DDTREE plugin did not "
+                     "load in this server", "plugin_not_registered")
+        return
+    report.handshake = hs
+    exp, obs = hs.get("expected_hidden_width"), hs.get("observed_hidden_width")
+    fc = hs.get("draft_fc_in_features")
+    report.figures.update(expected_hidden_width=exp, observed_hidden_width=obs, draft_fc_in_features=fc,
+                          budget=hs.get("budget"))
+    status = hs.get("status")
+    detail = f"status {status!r}, expected width {exp!r}, observed {obs!r}, drafter fc in_features {fc!r}"
+
+    def width(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+    if status == "mismatch" or (obs is not None and obs != exp) or (fc is not None and fc != exp):
+        report.check("handshake", False, detail, "hidden_width_mismatch")
+    elif status == "missing":
+        report.check("handshake", False, detail, "hidden_states_missing")
+    elif status != "ok" or obs is None:
+        report.check("handshake", False, detail + " (still pending after a generation)", "handshake_pending")
+    elif not (width(exp) and width(obs) and (fc is None or width(fc))):
+        report.check("handshake", False, detail + ": widths must be positive integers", "bad_response")
+    else:
+        report.check("handshake", True, detail)
+
+
+def overlap_schedule(info: dict[str, Any]) -> bool | None:
+    """Whether the server runs SGLang's overlap scheduler: the plugin's ``ddtree_overlap_schedule``,
+    else SGLang's own resolved ``disable_overlap_schedule``; None when neither is a boolean."""
+    value = info.get("ddtree_overlap_schedule")
+    if isinstance(value, bool):
+        return value
+    disabled = info.get("disable_overlap_schedule")
+    return (not disabled) if isinstance(disabled, bool) else None

@@ -1,0 +1,252 @@
+"""The SGLang endpoints the health tools ask, and the shapes of SGLang 0.5.23's answers: one client.
+
+The live probe, the lossless check, the canary's comparison and the server benchmark ask a server the
+same questions (ready? what do you run? generate, tokenize, your /metrics) and read the same answers
+(output ids, ``meta_info`` counts, logprob entries); each is asked and read here once. The callers keep
+their own verdicts and messages. Every exchange but the stream goes through ``http_client`` (a deadline
+per exchange, failures as :class:`http_client.HTTPFailure`). Host side: stdlib only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ddtree_runtime.health import http_client
+
+# Status codes of an endpoint a server does not have at all (not a failure of one it has).
+ABSENT_STATUSES = (404, 405, 501)
+
+
+class BadAnswer(ValueError):
+    """The server answered HTTP, but not what SGLang 0.5.23 answers: the message says what was off."""
+
+
+# ---------------------------------------------------------------------------- requests
+
+
+def health_generate(base: str, *, timeout: float) -> int:
+    """The status of ``GET /health_generate`` (SGLang answers 503 until its warm-up is done)."""
+    status, _ = http_client.request(f"{base}/health_generate", timeout=timeout)
+    return status
+
+
+def server_info(base: str, *, timeout: float) -> tuple[int, Any]:
+    """``GET /server_info``: (status, its JSON, None when the body is not JSON)."""
+    status, body = http_client.request(f"{base}/server_info", timeout=timeout)
+    return status, read_json(body)
+
+
+def generate(base: str, payload: dict[str, Any], *, timeout: float) -> tuple[int, bytes]:
+    """``POST /generate`` of ``payload``: (status, body); HTTP error statuses are returned."""
+    return http_client.request(f"{base}/generate", payload=payload, timeout=timeout)
+
+
+def metrics(base: str, *, timeout: float) -> tuple[int, bytes]:
+    """``GET /metrics``: (status, the Prometheus text as bytes)."""
+    return http_client.request(f"{base}/metrics", timeout=timeout)
+
+
+def tokenize(base: str, prompts: Sequence[str], *, timeout: float) -> tuple[list[list[int]] | None, str]:
+    """The server's token ids of each prompt (SGLang's ``POST /tokenize``, what ``/generate`` reads a
+    text as), or (None, why not). Raises http_client.HTTPFailure when the server does not answer."""
+    status, body = http_client.request(f"{base}/tokenize", payload={"prompt": list(prompts)}, timeout=timeout)
+    doc = read_json(body)
+    if status != 200 or not isinstance(doc, dict):
+        return None, (
+            f"POST /tokenize answered HTTP {status}"
+            + ("" if status != 200 else " but not a JSON object")
+            + ": the server cannot say which token ids it reads the prompts as"
+        )
+    tokens = doc.get("tokens")
+    ids = [token_ids(t) for t in tokens] if isinstance(tokens, list) and len(tokens) == len(prompts) else None
+    if ids is None or any(t is None for t in ids):
+        return None, "POST /tokenize answered 200 without one non-empty list of token ids per prompt"
+    return [list(t) for t in ids if t is not None], ""
+
+
+def tokenize_absent(why: str) -> bool:
+    """Whether ``tokenize``'s reason says the server has no /tokenize at all (only then not_checked)."""
+    return any(why.startswith(f"POST /tokenize answered HTTP {code}:") for code in ABSENT_STATUSES)
+
+
+@dataclass(frozen=True)
+class Stream:
+    """One streamed ``/generate``: seconds to the first chunk and to the end, and the last chunk."""
+
+    ttft_s: float
+    e2e_s: float
+    last: dict[str, Any]
+
+
+def stream_generate(base: str, payload: dict[str, Any], *, timeout: float) -> Stream:
+    """``POST /generate`` with ``"stream": True`` in ``payload``, read chunk by chunk (``data: {...}``
+    lines up to ``data: [DONE]``). urllib's errors propagate (HTTPError for an error status)."""
+    # urllib, not http_client.request: a stream is timed as it arrives, and a long generation may run past
+    # any whole-exchange deadline; ``timeout`` bounds each read, as a benchmark wants.
+    req = urllib.request.Request(
+        f"{base}/generate", data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
+    )
+    start = time.perf_counter()
+    first: float | None = None
+    last: dict[str, Any] = {}
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        for raw in resp:
+            line = raw.decode("utf-8", "replace").strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:") :].strip()
+            if data == "[DONE]":
+                break
+            if first is None:
+                first = time.perf_counter()
+            last = json.loads(data)
+    end = time.perf_counter()
+    return Stream((first or end) - start, end - start, last)
+
+
+# ---------------------------------------------------------------------------- answers
+
+
+def read_json(body: bytes) -> Any:
+    """The body as JSON, or None (not JSON, not UTF-8, 4300+ digit integers, deep nesting)."""
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_count(value: Any) -> bool:
+    """A token id or count as SGLang writes one: a non-negative integer of sane size."""
+    return is_int(value) and 0 <= value <= 10**12
+
+
+def is_token_id(value: Any) -> bool:
+    return is_int(value) and 0 <= value < 2**31
+
+
+def token_ids(value: Any) -> list[int] | None:
+    """A non-empty list of token ids, or None."""
+    if isinstance(value, list) and value and all(is_token_id(t) for t in value):
+        return value
+    return None
+
+
+def count(value: Any, where: str, *, required: bool = True) -> int | None:
+    """A token or step count from an answer; BadAnswer naming ``where`` when it is none."""
+    if value is None and not required:
+        return None
+    if not is_count(value):
+        raise BadAnswer(f"{where} is {repr(value)[:60]}, not a count (a non-negative integer)")
+    return value
+
+
+def number(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise BadAnswer(f"{where} is {repr(value)[:60]}, not a number")
+    try:
+        return float(value)
+    except OverflowError:
+        raise BadAnswer(f"{where} is an integer too large for a float") from None
+
+
+@dataclass(frozen=True)
+class GenerateAnswer:
+    """One ``/generate`` answer: its text, its output ids (None when absent or not all integers),
+    ``meta_info.completion_tokens`` (0 when absent) and ``meta_info.spec_verify_ct`` (None when absent)."""
+
+    text: str
+    output_ids: list[int] | None
+    completion_tokens: int
+    verify_ct: int | None
+    meta: dict[str, Any]
+
+
+def parse_generation(doc: dict[str, Any]) -> GenerateAnswer:
+    """A non-streamed ``/generate`` answer object; BadAnswer saying what is off."""
+    text = doc.get("text")
+    if not isinstance(text, str):
+        raise BadAnswer(f"its text is {repr(text)[:60]}, not a string")
+    ids = doc.get("output_ids")
+    ids = ids if isinstance(ids, list) and all(is_int(t) for t in ids) else None
+    meta = doc.get("meta_info")
+    if meta is None:
+        meta = {}
+    if not isinstance(meta, dict):
+        raise BadAnswer(f"its meta_info is {repr(meta)[:60]}, not an object")
+    tokens = count(meta.get("completion_tokens", 0), "meta_info.completion_tokens")
+    verify = count(meta.get("spec_verify_ct"), "meta_info.spec_verify_ct", required=False)
+    assert tokens is not None
+    return GenerateAnswer(text, ids, tokens, verify, meta)
+
+
+def logprob_entry(entry: Any, where: str, *, zero_ok: bool = False) -> tuple[float | None, int]:
+    """SGLang's [logprob, token_id, text-or-null]: (logprob or None, token id). With ``zero_ok`` a -inf
+    logprob (probability 0) comes back as None, like SGLang's null."""
+    if not isinstance(entry, list) or len(entry) < 2 or not is_token_id(entry[1]):
+        raise BadAnswer(f"{where} is {str(entry)[:80]}, not [logprob, token_id, text]")
+    lp = entry[0]
+    if lp is None or (zero_ok and isinstance(lp, float) and lp == -math.inf):
+        return None, entry[1]
+    if isinstance(lp, bool) or not isinstance(lp, int | float) or not math.isfinite(lp) or lp > 1e-3:
+        raise BadAnswer(f"{where} has logprob {str(lp)[:40]}, not a finite log-probability")
+    return float(lp), entry[1]
+
+
+def top1(top: Any, where: str) -> tuple[float, int]:
+    """The best (logprob, token) of SGLang's top-logprobs list at one position (ties: the lower id)."""
+    if not isinstance(top, list) or not top:
+        raise BadAnswer(f"{where} is {str(top)[:80]}, not a list of the target's top tokens")
+    best: tuple[float, int] | None = None
+    for entry in top:
+        lp, token = logprob_entry(entry, where)
+        if lp is None:
+            raise BadAnswer(f"{where} lists token {token} without a logprob")
+        if best is None or lp > best[0] or (lp == best[0] and token < best[1]):
+            best = (lp, token)
+    assert best is not None
+    return best
+
+
+def metric_value(text: str, name: str) -> float | None:
+    """The first sample of `name` in Prometheus text (labels and timestamp allowed); malformed lines of
+    other series are none of our business, a malformed sample of ours is a bad answer."""
+    for line in text.splitlines():
+        if not line.startswith(name) or line[len(name) : len(name) + 1] not in ("{", " "):
+            continue
+        rest = line[len(name) :]
+        if rest.startswith("{"):
+            close = _labels_end(rest)
+            if close < 0:
+                raise BadAnswer(f"/metrics line {line[:100]!r} is malformed (labels not closed)")
+            rest = rest[close + 1 :]
+        fields = rest.split()
+        try:
+            return float(fields[0])
+        except (IndexError, ValueError):
+            raise BadAnswer(f"/metrics line {line[:100]!r} is malformed (no number)") from None
+    return None
+
+
+def _labels_end(text: str) -> int:
+    """Index of the `}` closing the label set at text[0] (quotes and escapes respected), or -1."""
+    quoted = escaped = False
+    for i, ch in enumerate(text):
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = quoted
+        elif ch == '"':
+            quoted = not quoted
+        elif ch == "}" and not quoted:
+            return i
+    return -1
