@@ -326,7 +326,7 @@ def test_the_chain_setting_is_token_identical_and_passes_the_probe(
     """The chain (top-k cap 1 at budget 15: what `ddtree tune` proposes where no tree wins, and what a
     profile ships then: docs/bench/profile-choice.md) on the server ct131 runs: greedy output is the plain
     server's, and the live probe passes with its lossless check."""
-    from ddtree_runtime.health.probe import live_probe
+    from ddtree_runtime.health.probe_live import live_probe
 
     ddtree.stop()  # one real server at a time
     root = tmp_path_factory.mktemp("chain")
