@@ -33,6 +33,7 @@ class Streamer(BaseHTTPRequestHandler):
         with Streamer.lock:
             Streamer.in_flight += 1
             Streamer.peak = max(Streamer.peak, Streamer.in_flight)
+        counted = True
         try:
             n = body["sampling_params"]["max_new_tokens"]
             self.send_response(200)
@@ -48,10 +49,15 @@ class Streamer(BaseHTTPRequestHandler):
                 }
                 self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 self.wfile.flush()
-            self.wfile.write(b"data: [DONE]\n\n")
-        finally:
+            # Done before [DONE] is sent: the client may send its next request as soon as it reads it.
             with Streamer.lock:
                 Streamer.in_flight -= 1
+            counted = False
+            self.wfile.write(b"data: [DONE]\n\n")
+        finally:
+            if counted:
+                with Streamer.lock:
+                    Streamer.in_flight -= 1
 
 
 @pytest.fixture
