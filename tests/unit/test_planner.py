@@ -24,6 +24,7 @@ from ddtree_runtime.planner.report import format_plan, plan_to_dict
 from ddtree_runtime.planner.settings import from_flags
 from ddtree_runtime.planner.shapes import PlanError
 from tests.fixtures_models import write_full_checkpoint_pair
+from tests.unit._profile_plans import plan_where_meant
 
 REPO = Path(__file__).resolve().parents[2]
 PROFILES_FILE = REPO / "roles/sglang_service/vars/profiles.yml"
@@ -47,17 +48,7 @@ def _plan(pair, gpus, flags, **kw):
 
 
 def _where_meant(pair, name: str):
-    """Plan a profile on the hardware its runs_on names (beside its live profile, for shadows)."""
-    runs_on = PROFILES[name]["runs_on"]
-    gpus = parse_shorthand(runs_on["gpus"])
-    if runs_on.get("free_mib"):
-        gpus = [GpuFacts(g.index, g.name, g.total_mib, int(runs_on["free_mib"])) for g in gpus]
-    claimed = None
-    if runs_on.get("beside"):
-        claimed = live_claim(pair, gpus, from_flags(PROFILES[runs_on["beside"]]["flags"]), None)
-    visible = [int(i) for i in str(runs_on.get("cuda_visible_devices", "")).split(",") if i != ""] or None
-    return plan_memory(pair, gpus, from_flags(PROFILES[name]["flags"]), profile=name, visible=visible,
-                       claimed_gib=claimed)
+    return plan_where_meant(pair, PROFILES, name)
 
 
 # ---------------------------------------------------------------------------------------------

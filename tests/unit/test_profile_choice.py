@@ -19,8 +19,7 @@ import pytest
 import yaml
 
 from ddtree_runtime.planner import load_model_pair, plan_memory
-from ddtree_runtime.planner.cli import live_claim
-from ddtree_runtime.planner.gpus import GpuFacts, parse_shorthand
+from ddtree_runtime.planner.gpus import parse_shorthand
 from ddtree_runtime.planner.profile_choice import (
     Choice,
     choose_live,
@@ -32,6 +31,7 @@ from ddtree_runtime.planner.profile_choice import (
 from ddtree_runtime.planner.settings import from_flags
 from ddtree_runtime.planner.tune import CHAIN, flag_overrides
 from tests.fixtures_models import write_full_checkpoint_pair
+from tests.unit._profile_plans import plan_where_meant
 
 REPO = Path(__file__).resolve().parents[2]
 PROFILES = yaml.safe_load((REPO / "roles/sglang_service/vars/profiles.yml").read_text())[
@@ -64,21 +64,11 @@ def pair(tmp_path_factory: pytest.TempPathFactory):
 
 def fits_where_meant(pair, name: str) -> Callable[[str], bool]:
     """Whether the profile, run at a setting, fits the hardware its runs_on names."""
-    profile = PROFILES[name]
-    runs_on = profile["runs_on"]
-    gpus = parse_shorthand(runs_on["gpus"])
-    if runs_on.get("free_mib"):
-        gpus = [GpuFacts(g.index, g.name, g.total_mib, int(runs_on["free_mib"])) for g in gpus]
-    claimed = None
-    if runs_on.get("beside"):
-        claimed = live_claim(pair, gpus, from_flags(PROFILES[runs_on["beside"]]["flags"]), None)
-    visible = [int(i) for i in str(runs_on.get("cuda_visible_devices", "")).split(",") if i != ""] or None
 
     def fits(label: str) -> bool:
-        flags = {**profile["flags"], **flag_overrides(label)}
+        flags = {**PROFILES[name]["flags"], **flag_overrides(label)}
         flags = {k: v for k, v in flags.items() if v is not None}
-        plan = plan_memory(pair, gpus, from_flags(flags), profile=name, visible=visible, claimed_gib=claimed)
-        return plan.verdict.fits
+        return plan_where_meant(pair, PROFILES, name, flags).verdict.fits
 
     return fits
 
