@@ -209,7 +209,8 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _contract_check(args: argparse.Namespace) -> int:
-    from ddtree_runtime.core.contract import ContractError, load_contract
+    from ddtree_runtime.core.contract import load_contract
+    from ddtree_runtime.core.model_files import ContractError
 
     try:
         contract = load_contract(args.model_path, args.draft_model_path)

@@ -6,7 +6,7 @@ Two kinds of drafter weights:
   (small shapes, real data), for tests that may load tensors.
 * ``write_header_only_safetensors``: a valid safetensors header stating any shape (e.g. the
   27B drafter's ``fc.weight`` [5120, 25600]) with consistent ``data_offsets`` but NO data bytes.
-  ``ddtree_runtime.core.contract`` reads headers only, so it accepts these; anything that loads the
+  ``ddtree_runtime.core.model_files`` reads headers only, so it accepts these; anything that loads the
   tensors would not. This is how the tests state real 27B shapes without writing 250 MB.
 """
 

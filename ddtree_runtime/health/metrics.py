@@ -28,7 +28,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server, write_to_textfile
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from ddtree_runtime.core.contract import ContractError, read_json_file
+from ddtree_runtime.core.model_files import ContractError, read_json_file
 from ddtree_runtime.health import counterfactual as cf
 from ddtree_runtime.health.report_file import write_json_atomic
 

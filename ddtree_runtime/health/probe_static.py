@@ -22,7 +22,8 @@ def static_probe(model_path: str, draft_model_path: str) -> Report:
         if problem:
             report.fail(EXIT_BAD_INPUT, "bad_input", f"{label} {path}: {problem}")
             return report
-    from ddtree_runtime.core.contract import ContractError, load_contract
+    from ddtree_runtime.core.contract import load_contract
+    from ddtree_runtime.core.model_files import ContractError
 
     try:
         contract = load_contract(model_path, draft_model_path, check=False)  # we report the widths

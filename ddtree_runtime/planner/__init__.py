@@ -2,7 +2,7 @@
 
 It follows SGLang 0.5.23's own start-up accounting (the functions are cited where each term is
 computed) on what the static probe reads: the two ``config.json`` files and the safetensors
-headers (``ddtree_runtime.core.contract``'s readers; no tensor is loaded), the GPU facts (nvidia-smi or
+headers (``ddtree_runtime.core.model_files``' readers; no tensor is loaded), the GPU facts (nvidia-smi or
 the inventory) and the profile's flags. Host side and stdlib only, so the same code plans on a GPU
 host, on the controller during a deploy's preflight and in CI.
 

@@ -3,7 +3,7 @@
 Exit codes: 0 fits, 1 does not fit (or only with a smaller context), 2 bad input. Inputs:
 
 - the models: ``--model-path`` + ``--draft-model-path`` (read here), or ``--models-json FILE|-``
-  (``python3 contract.py describe TARGET DRAFT`` output, as a deploy gathers it from the host);
+  (``python3 model_files.py describe TARGET DRAFT`` output, as a deploy gathers it from the host);
 - the settings: ``--profile NAME`` (profiles.yml) or ``--flags-json``, then SGLang launch flags
   after ``--`` (``-- --tp-size 2 --mem-fraction-static 0.8``), then ``--tp-size``;
 - the GPUs: ``--gpus 2xA6000``, ``--nvidia-smi FILE|-`` (its CSV), ``--gpus-json`` (the inventory's
@@ -94,7 +94,7 @@ def _visible(text: str | None) -> list[int] | None:
     return devices
 
 
-# Inputs are small documents (a `contract.py describe` table, nvidia-smi's CSV): a bigger one is a
+# Inputs are small documents (a `model_files.py describe` table, nvidia-smi's CSV): a bigger one is a
 # mistake, and a FIFO or a device in a file's place must not hang the planner.
 MAX_INPUT_BYTES = 16 * 1024 * 1024
 
@@ -309,7 +309,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model-path", help="target model directory (config.json + safetensors)")
     p.add_argument("--draft-model-path", help="DFlash drafter directory")
-    p.add_argument("--models-json", metavar="FILE", help="`contract.py describe` output instead ('-': stdin)")
+    p.add_argument("--models-json", metavar="FILE",
+                   help="`model_files.py describe` output instead ('-': stdin)")
     p.add_argument("--profile", help="a profile of profiles.yml (with --flags-json: only its name)")
     p.add_argument("--profiles", metavar="FILE", help=f"profiles file (default {PROFILES_FILE})")
     p.add_argument(

@@ -1,8 +1,8 @@
 """What SGLang sizes its pools from, read off a target/drafter pair's files (configs + safetensors headers).
 
-Readers: ``ddtree_runtime.core.contract`` (``read_config``, ``read_checkpoint_tensors``,
-``load_contract``), locally, or the same functions' JSON output sent back from a host
-(``python3 contract.py describe TARGET DRAFT``, see :func:`model_pair_from_description`).
+Readers: ``ddtree_runtime.core.model_files`` (``read_config``, ``read_checkpoint_tensors``, the files
+``load_contract`` reads too), locally, or the same functions' JSON output sent back from a host
+(``python3 model_files.py describe TARGET DRAFT``, see :func:`model_pair_from_description`).
 
 Supported targets: dense attention (Qwen3 and friends) and Qwen3-Next / Qwen3.5 / Qwen3.6 Gated
 DeltaNet hybrids (full attention every ``full_attention_interval`` layers, as SGLang's
@@ -16,12 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddtree_runtime.core.contract import (
-    ContractError,
-    build_target_layer_ids,
-    read_checkpoint_tensors,
-    read_config,
-)
+from ddtree_runtime.core.contract import build_target_layer_ids
+from ddtree_runtime.core.model_files import ContractError, read_checkpoint_tensors, read_config
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _SAFETENSORS_FLOAT = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2}
@@ -175,7 +171,7 @@ def load_model_pair(target_dir: str | Path, draft_dir: str | Path) -> ModelPair:
 
 
 def model_pair_from_description(doc: dict[str, Any]) -> ModelPair:
-    """Build the pair from ``contract.py describe`` output (configs + tensor tables)."""
+    """Build the pair from ``model_files.py describe`` output (configs + tensor tables)."""
     if not isinstance(doc, dict) or "error" in doc:
         raise PlanError(f"cannot read the model files: {doc.get('error') if isinstance(doc, dict) else doc}")
     try:
@@ -184,7 +180,7 @@ def model_pair_from_description(doc: dict[str, Any]) -> ModelPair:
         draft = _draft(draft_doc["path"], draft_doc["config"], draft_doc["tensors"], target)
     except (KeyError, TypeError, AttributeError) as exc:
         raise PlanError(
-            f"malformed model description ({type(exc).__name__}: {str(exc)[:80]}): expected `contract.py "
+            f"malformed model description ({type(exc).__name__}: {str(exc)[:80]}): expected `model_files.py "
             "describe` output"
         ) from None
     except ContractError as exc:

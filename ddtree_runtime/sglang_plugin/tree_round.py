@@ -35,7 +35,9 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from ddtree_runtime.core.contract import ContractError, HiddenContract, check_hidden_states
+from ddtree_runtime.core.contract import HiddenContract
+from ddtree_runtime.core.hidden_states import check_hidden_states
+from ddtree_runtime.core.model_files import ContractError
 from ddtree_runtime.core.tree import DraftTopK, WalkResult, walk_greedy, walk_sample
 from ddtree_runtime.sglang_plugin.tree_commit import KVCommit, commit_accepted_kv, window_slots
 from ddtree_runtime.sglang_plugin.tree_step import (

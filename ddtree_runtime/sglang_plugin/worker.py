@@ -34,7 +34,9 @@ from typing import Any
 import torch
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
-from ddtree_runtime.core.contract import ContractError, HiddenContract, check_hidden_states, load_contract
+from ddtree_runtime.core.contract import HiddenContract, load_contract
+from ddtree_runtime.core.hidden_states import check_hidden_states
+from ddtree_runtime.core.model_files import ContractError
 from ddtree_runtime.sglang_plugin.algorithm import is_chain, published_settings, resolved_settings
 from ddtree_runtime.sglang_plugin.bounds import verify_mask_cells
 from ddtree_runtime.sglang_plugin.gates import GDN, DDTreeConfigError, hybrid_kind, kind_note

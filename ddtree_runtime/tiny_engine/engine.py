@@ -21,8 +21,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ddtree_runtime.core.contract import ContractError, HiddenContract, check_hidden_states, load_contract
+from ddtree_runtime.core.contract import HiddenContract, load_contract
 from ddtree_runtime.core.counterfactual import Candidate, CounterfactualScorer
+from ddtree_runtime.core.hidden_states import check_hidden_states
+from ddtree_runtime.core.model_files import ContractError
 from ddtree_runtime.core.tree import (
     DraftTree,
     build_tree,

@@ -120,7 +120,7 @@ def test_cpu_device_is_refused_through_dflash(sglang_plugins, pair):
 
 
 def test_width_mismatch_fails_at_resolution(sglang_plugins, tmp_path):
-    from ddtree_runtime.core.contract import ContractError
+    from ddtree_runtime.core.model_files import ContractError
     from tests.fixtures_models import write_pair
 
     # the field failure: a drafter trained on 5 target layers, given a 1-layer capture width

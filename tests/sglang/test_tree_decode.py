@@ -303,7 +303,8 @@ def test_sampled_rounds_commit_consistent_kv_and_tokens():
 
 
 def test_the_hidden_guard_runs_after_the_verify_forward():
-    from ddtree_runtime.core.contract import ContractError, HiddenContract
+    from ddtree_runtime.core.contract import HiddenContract
+    from ddtree_runtime.core.model_files import ContractError
 
     target, models, rows, _, _, _, bonus, cfg, kv = _setup([[1, 2, 3]])
     inp = RoundInput(

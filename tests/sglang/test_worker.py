@@ -26,7 +26,7 @@ def test_create_worker_selects_the_ddtree_worker_on_dflash_v2(sglang_plugins, pa
 
 
 def test_worker_start_fails_on_a_width_mismatch_before_touching_the_gpu(sglang_plugins, pair, tmp_path):
-    from ddtree_runtime.core.contract import ContractError
+    from ddtree_runtime.core.model_files import ContractError
     from ddtree_runtime.sglang_plugin.worker import DDTreeWorker
     from tests.fixtures_models import write_pair
 
@@ -94,7 +94,7 @@ def test_guard_passes_the_right_width_and_records_the_handshake(sglang_plugins, 
 
 
 def test_guard_fails_on_the_field_failure_width(sglang_plugins, pair):
-    from ddtree_runtime.core.contract import ContractError
+    from ddtree_runtime.core.model_files import ContractError
 
     forward, state, _, _ = _guarded(pair, torch.zeros(7, 4096))  # [N, H] instead of [N, 5H]
     with pytest.raises(ContractError, match=r"expects \[N, 20480\].*got \[N, 4096\]") as exc:
@@ -104,7 +104,7 @@ def test_guard_fails_on_the_field_failure_width(sglang_plugins, pair):
 
 
 def test_guard_fails_on_missing_hidden_states(sglang_plugins, pair):
-    from ddtree_runtime.core.contract import ContractError
+    from ddtree_runtime.core.model_files import ContractError
 
     forward, state, _, _ = _guarded(pair, None)
     with pytest.raises(ContractError) as exc:
@@ -114,7 +114,7 @@ def test_guard_fails_on_missing_hidden_states(sglang_plugins, pair):
 
 
 def test_guard_checks_the_verify_row_count(sglang_plugins, pair):
-    from ddtree_runtime.core.contract import ContractError
+    from ddtree_runtime.core.model_files import ContractError
 
     forward, _, _, _ = _guarded(pair, torch.zeros(32, 20480))
     verify = SimpleNamespace(

@@ -15,13 +15,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ddtree_runtime.core.contract import (
-    ContractError,
-    HiddenContract,
-    build_target_layer_ids,
-    check_hidden_states,
-    load_contract,
-)
+from ddtree_runtime.core.contract import HiddenContract, build_target_layer_ids, load_contract
+from ddtree_runtime.core.hidden_states import check_hidden_states
+from ddtree_runtime.core.model_files import ContractError
 from tests.fixtures_models import (
     QWEN36_27B_DRAFT,
     safetensors_header_bytes,

@@ -69,7 +69,7 @@ def test_other_spellings_of_the_same_failures():
     (found,) = scan(text)
     assert found.cause == "hidden_width_mismatch"
     assert "expected width 25600, got 5120" in found.summary
-    # ddtree_runtime.core.contract's own texts (ContractError in the plugin's guards)
+    # core.contract's and core.hidden_states' own texts (ContractError in the plugin's guards)
     (found,) = scan("ContractError: drafter fc expects [N, 25600] but the target captures [N, 5120] "
                     "(1 target layers x 5120)")
     assert found.cause == "hidden_width_mismatch" and "expected width 25600, got 5120" in found.summary

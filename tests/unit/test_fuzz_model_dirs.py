@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from ddtree_runtime.core.contract import ContractError, load_contract
+from ddtree_runtime.core.contract import load_contract
+from ddtree_runtime.core.model_files import ContractError
 from ddtree_runtime.health.probe_report import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_PASS
 from ddtree_runtime.health.probe_static import static_probe
 from tests.fixtures_models import write_header_only_safetensors, write_pair

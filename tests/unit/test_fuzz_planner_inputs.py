@@ -2,7 +2,7 @@
 once; never an impossible configuration planned as FITS, never a traceback, a hang or a search that
 grows with the input.
 
-The models are a Qwen3.6-27B-shaped `contract.py describe` table (header-only checkpoint,
+The models are a Qwen3.6-27B-shaped `model_files.py describe` table (header-only checkpoint,
 tests/fixtures_models.py), changed one field at a time.
 """
 
@@ -29,8 +29,9 @@ H200 = "0, NVIDIA H200, 143771, 143156, 615"
 @pytest.fixture(scope="module")
 def description(tmp_path_factory) -> dict[str, Any]:
     target, draft = write_full_checkpoint_pair(tmp_path_factory.mktemp("qwen36"), "qwen3.6-27b")
+    script = REPO / "ddtree_runtime/core/model_files.py"
     out = subprocess.run(
-        [sys.executable, str(REPO / "ddtree_runtime/core/contract.py"), "describe", str(target), str(draft)],
+        [sys.executable, str(script), "describe", str(target), str(draft)],
         capture_output=True,
         text=True,
         timeout=60,

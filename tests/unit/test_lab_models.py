@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ddtree_runtime.core.contract import ContractError, load_contract
+from ddtree_runtime.core.contract import load_contract
+from ddtree_runtime.core.model_files import ContractError
 from ddtree_runtime.tiny_engine.engine import LabEngine, SamplingParams
 from ddtree_runtime.tiny_engine.language import LAB_PROMPTS
 from ddtree_runtime.tiny_engine.make import make_models

@@ -306,10 +306,10 @@ def test_cli_table_json_and_exit_codes(files, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_contract_py_runs_alone_on_a_host_and_its_description_plans_the_same(files, pair, tmp_path):
-    """What a deploy does: send contract.py to the host (stdlib python, no runtime installed), plan here."""
-    script = tmp_path / "contract.py"
-    script.write_bytes((REPO / "ddtree_runtime/core/contract.py").read_bytes())  # alone, outside the package
+def test_model_files_py_runs_alone_on_a_host_and_its_description_plans_the_same(files, pair, tmp_path):
+    """What a deploy does: send model_files.py to the host (stdlib python, no runtime), plan here."""
+    script = tmp_path / "model_files.py"
+    script.write_bytes((REPO / "ddtree_runtime/core/model_files.py").read_bytes())  # alone, no package
     target, draft = files
     out = subprocess.run([sys.executable, "-I", str(script), "describe", str(target), str(draft)],
                          capture_output=True, text=True, timeout=60, cwd=tmp_path)

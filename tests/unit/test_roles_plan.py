@@ -1,6 +1,6 @@
 """The deploy's fit check through the real ansible-playbook (localhost): both verdicts, and the refusals.
 
-Qwen3.6-27B-shaped files (header-only checkpoints) are read by contract.py through Ansible's script
+Qwen3.6-27B-shaped files (header-only checkpoints) are read by model_files.py through Ansible's script
 module, exactly as on a host; this machine has no nvidia-smi, so the GPUs are the inventory's.
 """
 
