@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,12 @@ FLOORS: dict[str, tuple[str, ...]] = {
     f"{PACKAGE}.sglang_plugin": (f"{PACKAGE}.core",),
     f"{PACKAGE}.planner": (f"{PACKAGE}.core", f"{PACKAGE}.inputs"),
 }
+
+# Modules a role sends alone to a host and runs there with the host's python (Ansible's script module):
+# no package on sys.path there, so they import the standard library only (one package import breaks
+# every deploy's fit check). roles/sglang_service/tasks/plan.yml ships core/model_files.py.
+SHIPPED_ALONE = (f"{PACKAGE}.core.model_files",)
+ROLES = ROOT.parent / "roles"
 
 # Circles still to untangle (ARCHITECTURE: "untangle one when you work in its rooms"). Shrink only.
 KNOWN_CIRCLES: set[frozenset[str]] = set()
@@ -158,3 +166,34 @@ def test_host_side_never_imports_controller_side(module: str) -> None:
         return
     bad = {t for t in import_graph()[module] if _is_controller(t)}
     assert not bad, f"host-side {module} imports controller-side {sorted(bad)}"
+
+
+def _shipped_by_roles() -> set[str]:
+    """The package modules the roles' ``ansible.builtin.script`` tasks run from the checkout."""
+    found: set[str] = set()
+    for path in sorted(ROLES.rglob("*.yml")):
+        for rel in re.findall(r"ddtree_checkout_dir \}\}/(ddtree_runtime/[\w/]+)\.py", path.read_text()):
+            found.add(rel.replace("/", "."))
+    return found
+
+
+def test_roles_ship_alone_only_the_modules_that_can_run_alone() -> None:
+    shipped = _shipped_by_roles()
+    assert shipped, "no role ships a module of ours any more: update SHIPPED_ALONE"
+    assert shipped <= set(SHIPPED_ALONE), f"roles ship {sorted(shipped - set(SHIPPED_ALONE))}: not standalone"
+    assert set(SHIPPED_ALONE) <= set(_modules()), "a SHIPPED_ALONE module no longer exists"
+
+
+@pytest.mark.parametrize("module", SHIPPED_ALONE)
+def test_modules_shipped_alone_import_the_standard_library_only(module: str) -> None:
+    path = _modules()[module]
+    bad: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = ["." * node.level + (node.module or "")]  # a relative import needs the package
+        else:
+            continue
+        bad += [n for n in names if n.startswith(".") or n.split(".")[0] not in sys.stdlib_module_names]
+    assert not bad, f"{module} runs alone on hosts (stdlib python, no package): it may not import {bad}"
