@@ -41,9 +41,11 @@ $(VENV)/.sglang-installed: $(VENV)/.installed requirements/sglang-test.txt
 # --- end sglang test environment
 
 # --- the real SGLang server on CPU (issue 16): the lab-only compatibility layer and what the server
-# imports beyond the set above. It stays inert in this venv unless DDTREE_SGLANG_CPU_LAB=1.
+# imports beyond the set above. It stays inert in this venv unless DDTREE_SGLANG_CPU_LAB=1. Its base/
+# subpackage is the machinery both lab layers share (the GPU lab's layer below imports it).
 CPU_LAB := scripts/lab/sglang-cpu-lab
-$(VENV)/.sglang-cpu-lab-installed: $(VENV)/.sglang-installed $(CPU_LAB)/requirements.txt $(CPU_LAB)/pyproject.toml $(CPU_LAB)/setup.py $(wildcard $(CPU_LAB)/ddtree_sglang_cpu_lab/*.py)
+$(VENV)/.sglang-cpu-lab-installed: $(VENV)/.sglang-installed $(CPU_LAB)/requirements.txt $(CPU_LAB)/pyproject.toml $(CPU_LAB)/setup.py \
+    $(wildcard $(CPU_LAB)/ddtree_sglang_cpu_lab/*.py $(CPU_LAB)/ddtree_sglang_cpu_lab/base/*.py)
 	$(PIP) install -q -r $(CPU_LAB)/requirements.txt
 	rm -rf $(VENV)/.cpu-lab-build && cp -r $(CPU_LAB) $(VENV)/.cpu-lab-build
 	$(PIP) install -q --no-deps --no-build-isolation $(VENV)/.cpu-lab-build && rm -rf $(VENV)/.cpu-lab-build

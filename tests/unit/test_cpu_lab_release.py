@@ -45,6 +45,8 @@ def test_a_production_release_holds_none_of_the_layer_and_a_lab_one_is_another_r
     lab = build(tmp_path / "lab", f"--extra-project={LAYER}")
     (layer,) = lab["extra_wheels"]
     assert "ddtree_sglang_cpu_lab.pth" in names(layer["wheel"])
+    # The boot runs the lab layers' base (ddtree_sglang_cpu_lab/base/): a wheel without it cannot start.
+    assert "ddtree_sglang_cpu_lab/base/layer.py" in names(layer["wheel"])
     assert lab["wheel_sha256"] == production["wheel_sha256"]  # the same ddtree-runtime wheel ...
     assert lab["release_id"] != production["release_id"]  # ... in a release named apart
 

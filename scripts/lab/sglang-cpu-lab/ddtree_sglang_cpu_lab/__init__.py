@@ -9,10 +9,16 @@ Loaded at interpreter start by ``ddtree_sglang_cpu_lab.pth`` (SGLang's scheduler
 tokenizer processes are fresh interpreters: each loads it the same way). Every piece names the SGLang
 limitation it works around and the SGLang function it relies on (``seams.SEAMS``); the boot refuses to
 start when the installed SGLang is not the release those functions were read from, or when one of them
-changed (``seams.check``). ``docs/sglang-cpu-lab.md`` describes each piece.
+changed (``seams.check_version``, ``seams.require``). ``docs/sglang-cpu-lab.md`` describes each piece.
+The machinery it shares with the GPU lab's layer (boot, install, seams, fault switch, ``sgl_kernel``
+stand-in, the server harness) is ``ddtree_sglang_cpu_lab.base``.
 """
 
 from __future__ import annotations
 
+from ddtree_sglang_cpu_lab.base import PINNED_SGLANG_VERSION
+
 ENV_FLAG = "DDTREE_SGLANG_CPU_LAB"
-PINNED_SGLANG_VERSION = "0.5.23"
+DISTRIBUTION = "ddtree-sglang-cpu-lab"
+
+__all__ = ["DISTRIBUTION", "ENV_FLAG", "PINNED_SGLANG_VERSION"]

@@ -4,14 +4,7 @@ switch) ends the interpreter with the reason: a lab server must not start half p
 
 from __future__ import annotations
 
-import os
+from ddtree_sglang_cpu_lab import DISTRIBUTION, ENV_FLAG
+from ddtree_sglang_cpu_lab.base.layer import boot
 
-from ddtree_sglang_cpu_lab import ENV_FLAG
-
-if os.environ.get(ENV_FLAG) == "1":
-    from ddtree_sglang_cpu_lab.install import Refused, install_all
-
-    try:
-        install_all()
-    except Refused as exc:
-        raise SystemExit(f"ddtree-sglang-cpu-lab refused to start: {exc}") from None
+boot(DISTRIBUTION, ENV_FLAG, "ddtree_sglang_cpu_lab")

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ddtree_sglang_cpu_lab.hooks import after_import
+from ddtree_sglang_cpu_lab.base.hooks import after_import
 from ddtree_sglang_cpu_lab.seams import require
 
 DRAFT_BACKEND = "torch_native"

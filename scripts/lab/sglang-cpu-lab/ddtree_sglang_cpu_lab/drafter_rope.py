@@ -12,7 +12,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from ddtree_sglang_cpu_lab.hooks import after_import
+from ddtree_sglang_cpu_lab.base.hooks import after_import
 from ddtree_sglang_cpu_lab.seams import require
 
 

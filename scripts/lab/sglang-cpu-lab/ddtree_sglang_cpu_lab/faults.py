@@ -27,21 +27,19 @@ GPU lab layer can install them the same way (``install_verify_fault``):
 from __future__ import annotations
 
 import dataclasses
-import os
 from types import ModuleType
 from typing import Any
 
-from ddtree_sglang_cpu_lab.hooks import after_import
+from ddtree_sglang_cpu_lab.base import layer
+from ddtree_sglang_cpu_lab.base.hooks import after_import
+from ddtree_sglang_cpu_lab.base.layer import FAULT_ENV, UnknownFault
 from ddtree_sglang_cpu_lab.seams import require
 
-FAULT_ENV = "DDTREE_LAB_FAULT"
 VERIFY_FAULTS = ("relaxed_accept", "verify_causal_mask")
 FAULTS = ("capture_predicate", "hidden_none", *VERIFY_FAULTS)
 TREE_ROUND = "ddtree_runtime.sglang_plugin.tree_round"
 
-
-class UnknownFault(ValueError):
-    pass
+__all__ = ["FAULTS", "FAULT_ENV", "UnknownFault", "install", "install_verify_fault", "selected_fault"]
 
 
 class _FamilyWithoutPlugins:
@@ -145,13 +143,9 @@ def install_verify_fault(fault: str) -> None:
 
 
 def selected_fault(env: dict[str, str] | None = None) -> str | None:
-    fault = (os.environ if env is None else env).get(FAULT_ENV) or None
-    if fault is not None and fault not in FAULTS:
-        raise UnknownFault(
-            f"{FAULT_ENV}={fault!r}: the real-SGLang lab engine reproduces {', '.join(FAULTS)}; the "
-            "other lab faults exist only in the lab engine (sglang_service_engine: lab)"
-        )
-    return fault
+    why = (f"the real-SGLang lab engine reproduces {', '.join(FAULTS)}; the other lab faults exist only in "
+           "the lab engine (sglang_service_engine: lab)")
+    return layer.selected_fault(FAULTS, why, env)
 
 
 def install() -> None:

@@ -1,41 +1,20 @@
-"""Every work-around, in the order SGLang meets them."""
+"""Every work-around, in the order SGLang meets them (``base.layer.install_layer`` checks first)."""
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
+from ddtree_sglang_cpu_lab.base.layer import Refused, install_layer
 
-_installed = False
+PIECES = (
+    "torchvision_ops",
+    "sgl_kernel_standin",
+    "dflash_on_cpu",
+    "verify_attention",
+    "drafter_rope",
+    "faults",
+)
 
-
-class Refused(RuntimeError):
-    pass
+__all__ = ["PIECES", "Refused", "install_all"]
 
 
 def install_all() -> None:
-    global _installed
-    if _installed:
-        return
-    from ddtree_sglang_cpu_lab import (
-        dflash_on_cpu,
-        drafter_rope,
-        faults,
-        seams,
-        sgl_kernel_standin,
-        torchvision_ops,
-        verify_attention,
-    )
-
-    try:
-        seams.check_version(version("sglang"))
-        faults.selected_fault()
-    except PackageNotFoundError as exc:
-        raise Refused("sglang is not installed in this venv") from exc
-    except (seams.SeamMoved, faults.UnknownFault) as exc:
-        raise Refused(str(exc)) from exc
-    torchvision_ops.install()
-    sgl_kernel_standin.install()
-    dflash_on_cpu.install()
-    verify_attention.install()
-    drafter_rope.install()
-    faults.install()
-    _installed = True
+    install_layer("ddtree_sglang_cpu_lab", PIECES)

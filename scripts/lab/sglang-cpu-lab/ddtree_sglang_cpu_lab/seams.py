@@ -1,45 +1,18 @@
 """The SGLang code each work-around relies on, pinned by content.
 
 A work-around keys on SGLang 0.5.23's module and function names and on what those functions do. Each
-seam records the function's source digest as read when the work-around was written; ``moved()`` lists
-the seams whose source changed in the installed wheel, and a work-around refuses to patch a moved seam
-(``require``), so a new wheel fails loudly at start-up instead of serving on a stale patch.
-``tests/sglang/test_cpu_lab_seams.py`` checks every seam against the installed wheel.
+seam records the function's source digest (read from the imported function) as read when the
+work-around was written; ``moved()`` lists the seams whose source changed in the installed wheel, and a
+work-around refuses to patch a moved seam (``require``), so a new wheel fails loudly at start-up instead
+of serving on a stale patch. The mechanism is the base's (``base.seams``), shared with the GPU lab's
+layer; the seams are this layer's. ``tests/sglang/test_cpu_lab_seams.py`` checks every seam against the
+installed wheel.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import inspect
-from dataclasses import dataclass
-from typing import Any
-
-from ddtree_sglang_cpu_lab import PINNED_SGLANG_VERSION
-
-
-@dataclass(frozen=True)
-class Seam:
-    module: str
-    qualname: str
-    digest: str  # sha256 of the source (trailing whitespace stripped), first 16 hex digits
-    limitation: str  # the SGLang limitation the work-around answers
-    workaround: str  # the module of this package that relies on it
-
-    @property
-    def where(self) -> str:
-        return f"{self.module}.{self.qualname}"
-
-
-class SeamMoved(RuntimeError):
-    pass
-
-
-def source_digest(obj: Any) -> str:
-    source = inspect.getsource(inspect.unwrap(obj))
-    normalized = "\n".join(line.rstrip() for line in source.splitlines())
-    return hashlib.sha256(normalized.encode()).hexdigest()[:16]
-
+from ddtree_sglang_cpu_lab import DISTRIBUTION
+from ddtree_sglang_cpu_lab.base.seams import Seam, SeamMoved, Seams, object_digest, resolve
 
 SEAMS: tuple[Seam, ...] = (
     Seam("sglang.kernels.ops.kvcache.cache_move", "copy_all_layer_kv_cache_func", "d9fbb4b3a29b2b9d",
@@ -95,54 +68,14 @@ SEAMS: tuple[Seam, ...] = (
 )
 
 
-def resolve(seam: Seam) -> Any:
-    obj: Any = importlib.import_module(seam.module)
-    for part in seam.qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
+# SEAMS is read at each call: a test swaps it for a stale copy.
+_SEAMS = Seams(DISTRIBUTION, "ddtree_sglang_cpu_lab", lambda: SEAMS, read="object")
+seam_named = _SEAMS.seam_named
+moved_message = _SEAMS.moved_message
+require = _SEAMS.require
+moved = _SEAMS.moved
+check_version = _SEAMS.check_version
+source_digest = object_digest
 
-
-def seam_named(module: str, qualname: str) -> Seam:
-    for seam in SEAMS:
-        if seam.module == module and seam.qualname == qualname:
-            return seam
-    raise KeyError(f"{module}.{qualname} is not a registered seam")
-
-
-def moved_message(seam: Seam, digest: str) -> str:
-    return (
-        f"ddtree-sglang-cpu-lab: SGLang's {seam.where} is not the code the work-around "
-        f"'{seam.workaround}' was written against (source digest {digest}, expected {seam.digest}; "
-        f"it works around: {seam.limitation}). Re-read it in the installed wheel, adjust "
-        f"ddtree_sglang_cpu_lab/{seam.workaround}.py and the digest in seams.py."
-    )
-
-
-def require(owner: Any, module: str, qualname: str) -> None:
-    """Called by a work-around on the module it is about to patch: raise SeamMoved if the seam moved.
-    ``owner`` is the already-imported module holding the seam (no import happens here)."""
-    seam = seam_named(module, qualname)
-    obj = owner
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    digest = source_digest(obj)
-    if digest != seam.digest:
-        raise SeamMoved(moved_message(seam, digest))
-
-
-def moved() -> list[tuple[Seam, str]]:
-    """Every seam whose source differs in the installed wheel, with its digest there."""
-    out = []
-    for seam in SEAMS:
-        digest = source_digest(resolve(seam))
-        if digest != seam.digest:
-            out.append((seam, digest))
-    return out
-
-
-def check_version(version: str) -> None:
-    if version != PINNED_SGLANG_VERSION:
-        raise SeamMoved(
-            f"ddtree-sglang-cpu-lab was written against sglang=={PINNED_SGLANG_VERSION}; this venv has "
-            f"sglang {version}. Re-read every seam in seams.py against it before using it on a lab host."
-        )
+__all__ = ["SEAMS", "Seam", "SeamMoved", "check_version", "moved", "moved_message", "require", "resolve",
+           "seam_named", "source_digest"]

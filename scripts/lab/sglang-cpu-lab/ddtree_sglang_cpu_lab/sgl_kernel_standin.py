@@ -9,38 +9,21 @@ except the three in ``IMPLEMENTED``, plain torch versions of what SGLang's Trito
 job do (``kernels/ops/kvcache/cache_move.copy_all_layer_kv_cache_tiled``,
 ``srt/mem_cache/allocation.assign_req_to_token_pool`` and
 ``kernels/ops/speculative/cache_locs.assign_extend_cache_locs``). Installed only when no real
-``sgl_kernel`` is importable.
+``sgl_kernel`` is importable. The stand-in mechanism is the base's (``base.standin``), shared with the
+GPU lab's layer; the ops are this layer's.
 """
 
 from __future__ import annotations
 
 import ctypes
-import importlib.abc
-import importlib.machinery
-import importlib.util
-import sys
-from types import ModuleType
 from typing import Any
+
+from ddtree_sglang_cpu_lab import seams
+from ddtree_sglang_cpu_lab.base.standin import MissingOp as MissingOp  # raised by the ops
+from ddtree_sglang_cpu_lab.base.standin import StandinPackage
 
 NAME = "sgl_kernel"
 VERSION = "0.0.0+ddtree-cpu-lab-standin"
-
-
-class MissingOp(NotImplementedError):
-    pass
-
-
-def _missing(qualname: str) -> Any:
-    def op(*args: Any, **kwargs: Any) -> Any:
-        raise MissingOp(
-            f"{qualname} was called, but this lab host has no sgl_kernel CPU build (the "
-            f"ddtree-sglang-cpu-lab stand-in implements only {', '.join(sorted(IMPLEMENTED))}): the "
-            "flags or model reach an SGLang path the lab cannot serve."
-        )
-
-    op.__name__ = qualname.rsplit(".", 1)[-1]
-    op.__qualname__ = qualname
-    return op
 
 
 def copy_all_layer_kv_cache_cpu(data_ptrs: Any, strides: Any, tgt_loc: Any, src_loc: Any) -> None:
@@ -95,33 +78,6 @@ IMPLEMENTED = {
 }
 
 
-class StandinModule(ModuleType):
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        if name in IMPLEMENTED:
-            return IMPLEMENTED[name]
-        return _missing(f"{self.__name__}.{name}")
-
-
-class _Loader(importlib.abc.Loader):
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        module = StandinModule(spec.name)
-        module.__path__ = []  # a package without submodules
-        module.__version__ = VERSION
-        return module
-
-    def exec_module(self, module: ModuleType) -> None:
-        return None
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path, target=None):  # type: ignore[no-untyped-def]
-        if fullname == NAME:
-            return importlib.machinery.ModuleSpec(fullname, _Loader(), is_package=True)
-        return None
-
-
 # SGLang's callers of the implemented ops (the argument order they pass is the seam).
 CALLERS = {
     "sglang.kernels.ops.kvcache.cache_move": ("copy_all_layer_kv_cache_func",),
@@ -132,23 +88,16 @@ CALLERS = {
     ),
 }
 
+# No submodule resolves: SGLang falls back on ImportError where it can (``sgl_kernel.scalar_type``).
+STANDIN = StandinPackage(
+    NAME,
+    VERSION,
+    IMPLEMENTED,
+    missing="{op} was called, but this lab host has no sgl_kernel CPU build (the ddtree-sglang-cpu-lab "
+    "stand-in implements only {implemented}): the flags or model reach an SGLang path the lab cannot serve.",
+    callers=CALLERS,
+    require=seams.require,
+)
+StandinModule = STANDIN.module_class
+install = STANDIN.install
 
-def _check_callers(module: ModuleType) -> None:
-    from ddtree_sglang_cpu_lab.seams import require
-
-    for qualname in CALLERS[module.__name__]:
-        require(module, module.__name__, qualname)
-
-
-def install() -> bool:
-    """Put the stand-in on the import path unless a real sgl_kernel is importable."""
-    if any(isinstance(f, _Finder) for f in sys.meta_path):
-        return True
-    if importlib.util.find_spec(NAME) is not None:
-        return False
-    from ddtree_sglang_cpu_lab.hooks import after_import
-
-    sys.meta_path.append(_Finder())
-    for module in CALLERS:
-        after_import(module, _check_callers)
-    return True

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention
 
-from ddtree_sglang_cpu_lab.hooks import after_import
+from ddtree_sglang_cpu_lab.base.hooks import after_import
 from ddtree_sglang_cpu_lab.seams import require
 
 

@@ -12,11 +12,17 @@ Never on a production host: it is its own distribution (``ddtree-sglang-gpu-lab`
 (``scripts/lab/gpu/device.sh``), and it does nothing unless the process runs with
 ``DDTREE_SGLANG_GPU_LAB=1``. Loaded at interpreter start by ``ddtree_sglang_gpu_lab.pth`` in every
 SGLang process; it refuses to start on another SGLang release or when a seam it relies on moved
-(``seams.py``; ``tests/sglang/test_gpu_lab_seams.py`` checks them on CPU). ``docs/sglang-gpu-lab.md``
-describes each piece.
+(``seams.py``; ``tests/sglang/test_gpu_lab_layer.py`` checks them on CPU). ``docs/sglang-gpu-lab.md``
+describes each piece. The machinery it shares with the CPU layer (boot, install, seams, fault switch,
+``sgl_kernel`` stand-in, the server harness) is ``ddtree_sglang_cpu_lab.base``, shipped in the CPU
+layer's distribution, which the GPU lab installs beside this one.
 """
 
 from __future__ import annotations
 
+from ddtree_sglang_cpu_lab.base import PINNED_SGLANG_VERSION
+
 ENV_FLAG = "DDTREE_SGLANG_GPU_LAB"
-PINNED_SGLANG_VERSION = "0.5.23"
+DISTRIBUTION = "ddtree-sglang-gpu-lab"
+
+__all__ = ["DISTRIBUTION", "ENV_FLAG", "PINNED_SGLANG_VERSION"]

@@ -8,22 +8,20 @@ reproduces a known-bad build inside the real server, so the device suite can sho
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
-ENV = "DDTREE_LAB_FAULT"
+from ddtree_sglang_cpu_lab.base import layer
+from ddtree_sglang_cpu_lab.base.hooks import after_import
+from ddtree_sglang_cpu_lab.base.layer import FAULT_ENV, UnknownFault
+
+ENV = FAULT_ENV
 FAULTS = ("chain_verify_graph",)
 
-
-class UnknownFault(ValueError):
-    pass
+__all__ = ["ENV", "FAULTS", "UnknownFault", "install", "selected_fault"]
 
 
 def selected_fault() -> str | None:
-    name = os.environ.get(ENV) or None
-    if name is not None and name not in FAULTS:
-        raise UnknownFault(f"{ENV}={name!r} is not a GPU-lab fault switch; known: {', '.join(FAULTS)}")
-    return name
+    return layer.selected_fault(FAULTS, f"not a GPU-lab fault switch; known: {', '.join(FAULTS)}")
 
 
 def _chain_graphs(module: ModuleType) -> None:
@@ -37,7 +35,5 @@ def _no_start_check(module: ModuleType) -> None:
 def install() -> None:
     if selected_fault() != "chain_verify_graph":
         return
-    from ddtree_sglang_cpu_lab.hooks import after_import
-
     after_import("ddtree_runtime.sglang_plugin.graph_sites", _chain_graphs)
     after_import("ddtree_runtime.sglang_plugin.worker", _no_start_check)

@@ -1,39 +1,19 @@
-"""Every work-around, in the order SGLang meets them."""
+"""Every work-around, in the order SGLang meets them (``base.layer.install_layer`` checks first)."""
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
+from ddtree_sglang_cpu_lab.base.layer import Refused, install_layer
 
-_installed = False
+PIECES = (
+    "sgl_kernel_standin",
+    "cutedsl_standin",
+    "sampling_fallback",
+    "faults",
+    "sync_watch",
+)
 
-
-class Refused(RuntimeError):
-    pass
+__all__ = ["PIECES", "Refused", "install_all"]
 
 
 def install_all() -> None:
-    global _installed
-    if _installed:
-        return
-    from ddtree_sglang_gpu_lab import (
-        cutedsl_standin,
-        faults,
-        sampling_fallback,
-        seams,
-        sgl_kernel_standin,
-        sync_watch,
-    )
-
-    try:
-        seams.check_version(version("sglang"))
-        faults.selected_fault()
-    except PackageNotFoundError as exc:
-        raise Refused("sglang is not installed in this environment") from exc
-    except (seams.SeamMoved, faults.UnknownFault) as exc:
-        raise Refused(str(exc)) from exc
-    sgl_kernel_standin.install()
-    cutedsl_standin.install()
-    sampling_fallback.install()
-    faults.install()
-    sync_watch.install()
-    _installed = True
+    install_layer("ddtree_sglang_gpu_lab", PIECES)

@@ -19,18 +19,19 @@ naming itself), with plain-torch versions of the ops the lab's path calls:
 
 The norms decide what the model computes, so ``tests/gpu/test_gpu_lab_layer.py`` checks them against
 SGLang's own ``forward_native`` on the GPU. Installed only when no real ``sgl_kernel`` is importable.
+The stand-in mechanism is the base's (``ddtree_sglang_cpu_lab.base.standin``), shared with the CPU
+layer; the ops are this layer's.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import importlib.util
-import sys
-from types import ModuleType
 from typing import Any
 
 import torch
+from ddtree_sglang_cpu_lab.base.standin import MissingOp as MissingOp  # raised by the ops
+from ddtree_sglang_cpu_lab.base.standin import StandinPackage
+
+from ddtree_sglang_gpu_lab import seams
 
 NAME = "sgl_kernel"
 VERSION = "0.0.0+ddtree-gpu-lab-standin"
@@ -38,23 +39,6 @@ VERSION = "0.0.0+ddtree-gpu-lab-standin"
 # guarded), except these, whose ImportError SGLang answers with a fallback of its own
 # (``layers/quantization/utils.py`` ~11: ``scalar_type``).
 UNIMPORTABLE = ("scalar_type",)
-
-
-class MissingOp(NotImplementedError):
-    pass
-
-
-def _missing(qualname: str) -> Any:
-    def op(*args: Any, **kwargs: Any) -> Any:
-        raise MissingOp(
-            f"{qualname} was called, but the GPU lab has no sgl-kernel (the ddtree-sglang-gpu-lab "
-            f"stand-in implements {', '.join(sorted(IMPLEMENTED))}): the flags or model reach an "
-            "SGLang path the GPU lab does not serve."
-        )
-
-    op.__name__ = qualname.rsplit(".", 1)[-1]
-    op.__qualname__ = qualname
-    return op
 
 
 def _normalize(x: torch.Tensor, weight: torch.Tensor, eps: float, *, gemma: bool) -> torch.Tensor:
@@ -153,60 +137,23 @@ IMPLEMENTED = {
 }
 
 
-class StandinModule(ModuleType):
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        prefix = self.__name__[len(NAME) + 1 :]
-        key = f"{prefix}.{name}" if prefix else name
-        if key in IMPLEMENTED:
-            return IMPLEMENTED[key]
-        return _missing(f"{self.__name__}.{name}")
-
-
-class _Loader(importlib.abc.Loader):
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        module = StandinModule(spec.name)
-        module.__path__ = []  # a package: its submodules resolve through _Finder
-        module.__version__ = VERSION
-        return module
-
-    def exec_module(self, module: ModuleType) -> None:
-        return None
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path, target=None):  # type: ignore[no-untyped-def]
-        if fullname != NAME and not fullname.startswith(f"{NAME}."):
-            return None
-        if fullname.split(".")[1:2] and fullname.split(".")[1] in UNIMPORTABLE:
-            return None
-        return importlib.machinery.ModuleSpec(fullname, _Loader(), is_package=True)
-
-
 # SGLang's callers of the implemented ops (their argument order is the seam).
 CALLERS = {
     "sglang.srt.layers.layernorm": ("RMSNorm.forward_cuda", "GemmaRMSNorm._forward_impl"),
     "sglang.srt.model_executor.runner_backend_utils.weak_ref_tensor": ("weak_ref_tensors",),
 }
 
+STANDIN = StandinPackage(
+    NAME,
+    VERSION,
+    IMPLEMENTED,
+    missing="{op} was called, but the GPU lab has no sgl-kernel (the ddtree-sglang-gpu-lab stand-in "
+    "implements {implemented}): the flags or model reach an SGLang path the GPU lab does not serve.",
+    callers=CALLERS,
+    require=seams.require,
+    submodules=True,
+    unimportable=UNIMPORTABLE,
+)
+StandinModule = STANDIN.module_class
+install = STANDIN.install
 
-def _check_callers(module: ModuleType) -> None:
-    from ddtree_sglang_gpu_lab.seams import require
-
-    for qualname in CALLERS[module.__name__]:
-        require(module, module.__name__, qualname)
-
-
-def install() -> bool:
-    """Put the stand-in on the import path unless a real sgl_kernel is importable."""
-    if any(isinstance(f, _Finder) for f in sys.meta_path):
-        return True
-    if importlib.util.find_spec(NAME) is not None:
-        return False
-    from ddtree_sglang_cpu_lab.hooks import after_import
-
-    sys.meta_path.append(_Finder())
-    for module in CALLERS:
-        after_import(module, _check_callers)
-    return True

@@ -1,0 +1,21 @@
+"""Lab only: the machinery the two lab layers share (the CPU layer, ``ddtree_sglang_cpu_lab``, and the GPU
+lab's, ``ddtree_sglang_gpu_lab``), kept in one place so the two cannot drift apart.
+
+* ``layer``: the boot at interpreter start (nothing unless the layer's switch is on), the install of a
+  layer's pieces in order, the refusal, the ``DDTREE_LAB_FAULT`` switch;
+* ``seams``: SGLang code pinned by content (a source digest per function a work-around relies on);
+* ``hooks``: run a patch when SGLang first imports the module it patches;
+* ``standin``: a stand-in for a compiled kernel package (``sgl_kernel``) whose unimplemented ops raise;
+* ``server``: the real SGLang server as a process for tests and the GPU lab's cases (leased ports,
+  readiness, stop by PID, its log).
+
+What differs stays in each layer: its seams, its pieces, its fault switches, its server flags. The base
+ships in the CPU layer's distribution (``ddtree-sglang-cpu-lab``), which the GPU lab installs beside its
+own (``scripts/lab/gpu/pack.py`` carries both wheels): no third distribution for the runtime role or the
+device to install. ``tests/unit/test_lab_base.py`` fails when a layer grows its own copy again.
+"""
+
+from __future__ import annotations
+
+# The SGLang release both layers were read against (each layer's seams refuse another).
+PINNED_SGLANG_VERSION = "0.5.23"
