@@ -6,6 +6,26 @@ arguments. Nothing here is imported unless SGLang loads the plugin, so ``ddtree_
 importable without SGLang.
 
 Site-by-site map of what the plugin covers in SGLang 0.5.23: ``docs/sglang-plugin-sites.md``.
+
+The modules, as a reader of SGLang's ``srt/speculative/`` looks for them (``dflash_info``,
+``dflash_worker_v2``, ...):
+
+* start-up, every process: ``registration`` (what :func:`register` does), ``names`` (the fixed
+  names), ``cli_args`` (DDTREE's flags), ``algorithm`` (the ``CustomSpecAlgo`` and the resolution of
+  the flags into SGLang's fields), ``gates`` (configurations refused with the reason);
+* hooks on SGLang's own code: ``sites`` (sites that test the name ``"DFLASH"``), ``graph_sites``
+  (what the target's CUDA graphs capture for trees), ``server_info`` and ``handshake`` (the
+  handshake in ``/server_info`` and ``sglang:ddtree_*`` metrics);
+* the algorithm's info and worker: ``ddtree_info`` (the verify input SGLang's backends read, the
+  round's input from a ``ScheduleBatch``), ``ddtree_worker`` (``DDTreeWorker`` on
+  ``DFlashWorkerV2``), ``worker_checks`` (its start-up refusals and the width contract),
+  ``hidden_guard`` (the hidden-state check after every target forward);
+* one tree round: ``tree_round`` (the round with its two model passes injected), ``sglang_round``
+  (those passes on SGLang's runners), ``tree_step`` (tree, verify arrays, walk in SGLang's layout),
+  ``tree_commit`` (the accepted KV into SGLang's pools), ``hybrid`` (Gated DeltaNet targets' state
+  scratch and commit), ``bounds`` (host sizes from the scheduler's bounds, never the device),
+  ``draft_head`` (the drafter's per-depth distribution, vocabulary-parallel too);
+* ``check``: ``python -m ddtree_runtime.sglang_plugin.check``, is DDTREE registered here?
 """
 
 from __future__ import annotations

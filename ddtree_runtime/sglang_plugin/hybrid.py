@@ -7,7 +7,7 @@ and conv window go to per-row scratch; a tree-aware commit copies the accepted n
 request's slot. DDTREE reaches that code with four seams, no edited SGLang file
 (docs/sglang-plugin-sites.md, "Hybrid GDN targets"):
 
-1. ``DDTreeVerifyInput``: DFlash's verify input plus ``retrieve_next_token`` /
+1. ``ddtree_info.DDTreeVerifyInput``: DFlash's verify input plus ``retrieve_next_token`` /
    ``retrieve_next_sibling`` (our tree's links, rows in parent-before-child order), the fields the
    hybrid backend reads in its tree branch;
 2. ``graph_sites.linear_backend_tree_hook``: the backend decides "tree" from ``self.topk``, read once
@@ -27,26 +27,14 @@ refused at start-up (``gates.check_hybrid``, on ``gates.hybrid_kind``).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from torch import Tensor
 
 from ddtree_runtime.sglang_plugin.sites import CONV_WINDOW_DEDUP
 
 logger = logging.getLogger(__name__)
-
-
-# --- seam 1: the verify input --------------------------------------------------------------------
-@dataclass
-class DDTreeVerifyInput(DFlashVerifyInput):
-    """DFlash's verify input with the tree links SGLang's hybrid backend reads in its tree branch
-    (``hybrid_linear_attn_backend.py`` ~298): ``[bs, B+1]`` local row indices, -1 = none."""
-
-    retrieve_next_token: Tensor | None = None
-    retrieve_next_sibling: Tensor | None = None
 
 
 # --- seam 3: dense conv scratch (the hook lives in sites.py: registration imports nothing heavy) ----

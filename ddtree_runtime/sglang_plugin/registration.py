@@ -40,7 +40,7 @@ def _from_cli_args_hook(record: Any, cls: Any, namespace: Any, *args: Any, **kwa
 
 
 def _worker_factory(server_args: Any) -> type:
-    from ddtree_runtime.sglang_plugin.worker import DDTreeWorker
+    from ddtree_runtime.sglang_plugin.ddtree_worker import DDTreeWorker
 
     return DDTreeWorker
 

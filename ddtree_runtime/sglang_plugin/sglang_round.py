@@ -25,8 +25,8 @@ from torch import Tensor
 
 from ddtree_runtime.core.tree_types import DraftTopK
 from ddtree_runtime.sglang_plugin.bounds import host_length_bound
+from ddtree_runtime.sglang_plugin.ddtree_info import DDTreeVerifyInput
 from ddtree_runtime.sglang_plugin.draft_head import draft_head
-from ddtree_runtime.sglang_plugin.hybrid import DDTreeVerifyInput
 from ddtree_runtime.sglang_plugin.tree_step import TreeVerifyBatch
 
 

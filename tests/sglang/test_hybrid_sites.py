@@ -117,7 +117,7 @@ def test_ddtree_verify_input_adds_exactly_the_tree_links_to_dflashs():
 
     from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 
-    from ddtree_runtime.sglang_plugin.hybrid import DDTreeVerifyInput
+    from ddtree_runtime.sglang_plugin.ddtree_info import DDTreeVerifyInput
 
     base = {f.name for f in dataclasses.fields(DFlashVerifyInput)}
     ours = {f.name for f in dataclasses.fields(DDTreeVerifyInput)}

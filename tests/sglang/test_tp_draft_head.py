@@ -114,9 +114,9 @@ def _tp_decode(group) -> dict:
     from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
     from sglang.srt.speculative.draft_worker_common import make_draft_block_spec_info
 
+    from ddtree_runtime.sglang_plugin.ddtree_worker import DDTreeWorker
     from ddtree_runtime.sglang_plugin.handshake import HandshakeState, static_handshake
     from ddtree_runtime.sglang_plugin.sglang_round import SGLangRoundModels
-    from ddtree_runtime.sglang_plugin.worker import DDTreeWorker
     from tests.sglang._tree_decode_toy import ToyModels, ToyTarget, make_pools
     from tests.sglang.test_tree_decode_worker import _batch
 

@@ -18,8 +18,8 @@ BUDGET, BLOCK = 7, 4
 
 
 def _worker(page_size: int, settings: dict, prompts: list[list[int]], noise: float = 1.5):
+    from ddtree_runtime.sglang_plugin.ddtree_worker import DDTreeWorker
     from ddtree_runtime.sglang_plugin.handshake import HandshakeState, static_handshake
-    from ddtree_runtime.sglang_plugin.worker import DDTreeWorker
 
     target = ToyTarget(seed=3)
     req_pool, allocator, kv, draft_kv = make_pools(
@@ -159,7 +159,7 @@ def test_chain_prefill_and_idle_batches_run_dflashs_own_code(monkeypatch):
 
 
 def test_round_input_reads_sglangs_sampling_and_stop_fields():
-    from ddtree_runtime.sglang_plugin.worker import round_input, stop_ids
+    from ddtree_runtime.sglang_plugin.ddtree_info import round_input, stop_ids
 
     info = SimpleNamespace(
         is_all_greedy=False,
@@ -196,7 +196,7 @@ def test_the_gpu_adapter_speaks_the_pinned_releases_api():
     from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
     from ddtree_runtime.sglang_plugin import sglang_round
-    from ddtree_runtime.sglang_plugin.hybrid import DDTreeVerifyInput
+    from ddtree_runtime.sglang_plugin.ddtree_info import DDTreeVerifyInput
 
     source = inspect.getsource(sglang_round)
 

@@ -108,7 +108,7 @@ def test_sampled_tree_decode_reads_nothing_back():
 def test_the_guard_catches_a_reintroduced_sync(monkeypatch):
     """Without the host bound the round sizes the tree mask from the prefix lengths read back to
     the host (the old sync site): the same decode must fail."""
-    from ddtree_runtime.sglang_plugin import worker as worker_module
+    from ddtree_runtime.sglang_plugin import ddtree_worker as worker_module
 
     prompts = [[3, 1, 4, 1, 5]]
     worker, _toy, rows, bonus, _ = _guarded_worker(1, prompts, [])

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.sglang
 def test_create_worker_selects_the_ddtree_worker_on_dflash_v2(sglang_plugins, pair):
     from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
-    from ddtree_runtime.sglang_plugin.worker import DDTreeWorker
+    from ddtree_runtime.sglang_plugin.ddtree_worker import DDTreeWorker
 
     record, _ = resolve(ddtree_argv(*pair))
     worker_cls = sglang_plugins.from_string("DDTREE").create_worker(record)
@@ -27,7 +27,7 @@ def test_create_worker_selects_the_ddtree_worker_on_dflash_v2(sglang_plugins, pa
 
 def test_worker_start_fails_on_a_width_mismatch_before_touching_the_gpu(sglang_plugins, pair, tmp_path):
     from ddtree_runtime.core.model_files import ContractError
-    from ddtree_runtime.sglang_plugin.worker import DDTreeWorker
+    from ddtree_runtime.sglang_plugin.ddtree_worker import DDTreeWorker
     from tests.fixtures_models import write_pair
 
     record, _ = resolve(ddtree_argv(*pair))
@@ -44,8 +44,8 @@ def test_worker_start_fails_on_a_width_mismatch_before_touching_the_gpu(sglang_p
 
 
 def test_worker_refuses_to_start_without_resolved_ddtree_settings(sglang_plugins, pair):
+    from ddtree_runtime.sglang_plugin.ddtree_worker import DDTreeWorker
     from ddtree_runtime.sglang_plugin.gates import DDTreeConfigError
-    from ddtree_runtime.sglang_plugin.worker import DDTreeWorker
 
     argv = ddtree_argv(*pair)
     argv[argv.index("DDTREE")] = "DFLASH"
@@ -69,7 +69,7 @@ class _TargetWorker:
 def _guarded(pair, hidden):
     from ddtree_runtime.core.contract import load_contract
     from ddtree_runtime.sglang_plugin.handshake import HandshakeState, static_handshake
-    from ddtree_runtime.sglang_plugin.worker import guard_target_forward
+    from ddtree_runtime.sglang_plugin.hidden_guard import guard_target_forward
 
     contract = load_contract(*pair)
     state = HandshakeState(static_handshake({"budget": 15, "block_size": 16, "contract": contract.to_dict()}))
@@ -134,7 +134,7 @@ def test_guard_ignores_forwards_that_feed_no_drafter(sglang_plugins, pair):
 
 
 def test_tree_configurations_pass_the_start_check_and_chains_always_do(sglang_plugins, pair):
-    from ddtree_runtime.sglang_plugin.worker import check_tree_decode_support, is_chain
+    from ddtree_runtime.sglang_plugin.worker_checks import check_tree_decode_support, is_chain
 
     tree, tree_cfg = resolve(ddtree_argv(*pair, "--speculative-ddtree-budget", "24"))
     assert not is_chain(tree._ddtree_resolved)
@@ -147,7 +147,8 @@ def test_tree_configurations_pass_the_start_check_and_chains_always_do(sglang_pl
 
 
 def test_tree_configurations_the_round_cannot_serve_are_refused_with_the_reason(sglang_plugins, pair):
-    from ddtree_runtime.sglang_plugin.worker import DDTreeWorker, TreeDecodeNotAvailable
+    from ddtree_runtime.sglang_plugin.ddtree_worker import DDTreeWorker
+    from ddtree_runtime.sglang_plugin.worker_checks import TreeDecodeNotAvailable
 
     record, _ = resolve(
         ddtree_argv(*pair, "--speculative-ddtree-budget", "24", "--speculative-draft-window-size", "64")
@@ -160,7 +161,7 @@ def test_tree_configurations_the_round_cannot_serve_are_refused_with_the_reason(
 
 
 def test_worker_features_a_tree_cannot_use_are_refused(sglang_plugins, pair):
-    from ddtree_runtime.sglang_plugin.worker import TreeDecodeNotAvailable, check_tree_worker_features
+    from ddtree_runtime.sglang_plugin.worker_checks import TreeDecodeNotAvailable, check_tree_worker_features
 
     record, _ = resolve(ddtree_argv(*pair, "--speculative-ddtree-budget", "24"))
     settings = record._ddtree_resolved

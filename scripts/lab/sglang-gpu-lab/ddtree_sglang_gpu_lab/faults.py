@@ -36,4 +36,4 @@ def install() -> None:
     if selected_fault() != "chain_verify_graph":
         return
     after_import("ddtree_runtime.sglang_plugin.graph_sites", _chain_graphs)
-    after_import("ddtree_runtime.sglang_plugin.worker", _no_start_check)
+    after_import("ddtree_runtime.sglang_plugin.ddtree_worker", _no_start_check)

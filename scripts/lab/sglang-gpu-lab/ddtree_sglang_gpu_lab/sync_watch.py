@@ -81,5 +81,5 @@ def install() -> None:
         return
     from ddtree_sglang_cpu_lab.base.hooks import after_import
 
-    after_import("ddtree_runtime.sglang_plugin.worker", _wrap("DDTreeWorker", "DDTREE"))
+    after_import("ddtree_runtime.sglang_plugin.ddtree_worker", _wrap("DDTreeWorker", "DDTREE"))
     after_import("sglang.srt.speculative.dflash_worker_v2", _wrap("DFlashWorkerV2", "DFLASH"))

@@ -23,174 +23,28 @@ Decode:
 Configurations the tree round cannot serve are refused at worker start with the reason
 (``check_tree_decode_support``); prefill always runs DFlash's own code (prompt materialisation).
 """
-
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
-from ddtree_runtime.core.contract import HiddenContract, load_contract
-from ddtree_runtime.core.hidden_states import check_hidden_states
-from ddtree_runtime.core.model_files import ContractError
 from ddtree_runtime.sglang_plugin.algorithm import is_chain, published_settings, resolved_settings
 from ddtree_runtime.sglang_plugin.bounds import verify_mask_cells
-from ddtree_runtime.sglang_plugin.gates import GDN, DDTreeConfigError, hybrid_kind, kind_note
+from ddtree_runtime.sglang_plugin.ddtree_info import round_input
+from ddtree_runtime.sglang_plugin.gates import DDTreeConfigError
 from ddtree_runtime.sglang_plugin.handshake import HandshakeMetrics, HandshakeState, static_handshake
+from ddtree_runtime.sglang_plugin.hidden_guard import guard_target_forward
+from ddtree_runtime.sglang_plugin.worker_checks import (
+    check_tree_decode_support,
+    check_tree_graphs,
+    check_tree_worker_features,
+    startup_contract,
+)
 
 logger = logging.getLogger(__name__)
-
-
-def startup_contract(target_path: str, draft_path: str) -> HiddenContract | None:
-    """The width check at worker start: raises ContractError when the drafter's ``fc`` does not
-    take what the target captures. None when the models are not local directories (the check
-    then runs on the loaded drafter, see ``check_loaded_widths``)."""
-    if not (os.path.isdir(target_path) and os.path.isdir(draft_path)):
-        return None
-    return load_contract(target_path, draft_path)
-
-
-def check_loaded_widths(target_hidden: int, layer_ids: list[int], fc_in_features: int) -> None:
-    """Same check on the loaded models, for hub paths that ``startup_contract`` cannot read."""
-    width = len(layer_ids) * target_hidden
-    if width != fc_in_features:
-        raise ContractError(
-            "fc_width_mismatch",
-            f"drafter fc expects [N, {fc_in_features}] but the target captures [N, {width}] "
-            f"({len(layer_ids)} target layers x {target_hidden})",
-            expected=fc_in_features,
-            capture_width=width,
-        )
-
-
-def _captures_full(mode: Any) -> bool:
-    # CaptureHiddenMode.FULL (= 2) is what feeds the drafter; NULL/LAST forwards do not.
-    return mode is not None and (getattr(mode, "name", None) == "FULL" or mode == 2)
-
-
-def _rows_of(batch: Any, forward_batch: Any) -> int | None:
-    if forward_batch is not None and getattr(forward_batch, "input_ids", None) is not None:
-        return int(forward_batch.input_ids.shape[0])
-    extend_lens = getattr(batch, "extend_lens", None)
-    if extend_lens is not None:
-        return int(sum(extend_lens))
-    return None
-
-
-def guard_target_forward(
-    forward: Callable[..., Any],
-    contract: HiddenContract,
-    handshake: HandshakeState,
-    on_update: Callable[[dict[str, Any]], None] | None = None,
-) -> Callable[..., Any]:
-    """Wrap ``TpModelWorker.forward_batch_generation``: after every forward whose hidden states
-    go to the drafter, record the observed width and check None / rank / width / row count."""
-
-    def guarded(*args: Any, **kwargs: Any) -> Any:
-        out = forward(*args, **kwargs)
-        forward_batch = kwargs.get("forward_batch")
-        batch = kwargs.get("batch", args[0] if args else None)
-        mode = kwargs.get("capture_hidden_mode", getattr(forward_batch, "capture_hidden_mode", None))
-        rows = _rows_of(batch, forward_batch)
-        if not _captures_full(mode) or not rows:
-            return out  # idle rank or a forward that feeds no drafter
-        logits_output = getattr(out, "logits_output", None)
-        hidden = getattr(logits_output, "hidden_states", None)
-        handshake.observe(hidden)
-        if on_update is not None:
-            on_update(handshake.to_dict())
-        check_hidden_states(hidden, contract, num_tokens=rows)
-        return out
-
-    guarded.__wrapped__ = forward  # type: ignore[attr-defined]
-    return guarded
-
-
-class TreeDecodeNotAvailable(DDTreeConfigError):
-    """A configuration the tree decode round cannot serve (the message says why and what starts)."""
-
-
-def check_tree_decode_support(settings: dict[str, Any], cfg: Any) -> None:
-    """Start-up refusals of the tree round, from the launch flags (chain configurations run
-    DFlash's decode and pass)."""
-    if is_chain(settings):
-        return
-    hits = []
-    if getattr(cfg, "enable_dp_attention", False):
-        hits.append(
-            "--enable-dp-attention: idle DP ranks must mirror the verify's collectives with the "
-            "tree width, which the tree round does not do"
-        )
-    if getattr(cfg, "speculative_draft_window_size", None):
-        hits.append(
-            "--speculative-draft-window-size: the compact draft cache re-maps the drafter's KV by "
-            "contiguous prefix; the tree round appends accepted rows at explicit slots"
-        )
-    if hits:
-        raise TreeDecodeNotAvailable(_tree_refusal(settings, hits))
-
-
-def check_tree_worker_features(settings: dict[str, Any], worker: Any) -> None:
-    """The same, for what only the built DFlash worker knows (drafter heads, hybrid state)."""
-    if is_chain(settings):
-        return
-    hits = []
-    if getattr(worker, "_need_mamba_verify_commit", False):
-        hits.extend(_hybrid_tree_problems(settings, worker.target_worker.model_runner))
-    for attr, what in (("selector", "a selector draft head"), ("lilicorr", "a LiLiCorr draft head")):
-        if getattr(worker, attr, None) is not None:
-            hits.append(f"{what}: the tree needs the drafter's full logits per depth")
-    if getattr(worker, "_is_domino", False):
-        hits.append("a Domino drafter: its rollout replaces the per-depth logits the tree ranks")
-    if hits:
-        raise TreeDecodeNotAvailable(_tree_refusal(settings, hits))
-
-
-def _hybrid_tree_problems(settings: dict[str, Any], runner: Any) -> list[str]:
-    """A recurrent-state target: only GDN layers, with dense per-row scratch wide enough."""
-    from ddtree_runtime.sglang_plugin.hybrid import HybridScratchError, check_tree_scratch
-
-    kind = hybrid_kind(runner.model_config)
-    if kind != GDN:
-        return [f"a hybrid target with {kind_note(str(kind))}"]
-    try:
-        check_tree_scratch(runner.req_to_token_pool, int(settings["budget"]) + 1)
-    except HybridScratchError as exc:
-        return [f"a GDN hybrid target whose state pool cannot hold a tree: {exc}"]
-    return []
-
-
-def _tree_refusal(settings: dict[str, Any], hits: list[str]) -> str:
-    block = settings["block_size"]
-    return (
-        f"DDTREE cannot run a tree (budget {settings['budget']}, top-k cap {settings['topk_cap']}) "
-        "with:\n  - " + "\n  - ".join(hits) + "\nWhat starts: drop the flag named above, or run "
-        f"the chain case --speculative-ddtree-topk-cap 1 --speculative-ddtree-budget {block - 1} "
-        "(decoded exactly like DFLASH), or --speculative-algorithm DFLASH."
-    )
-
-
-class TreeGraphsNotCaptured(DDTreeConfigError):
-    """The target's CUDA graphs would replay a chain's verify for trees (the message says why)."""
-
-
-def check_tree_graphs(runner: Any) -> None:
-    """Worker start, tree configurations: a hybrid target's linear-attention backend must be in
-    tree mode before anything is captured (``graph_sites.linear_backend_tree_hook``); otherwise its
-    graphs hold the chain kernels and every tree verify would commit wrong recurrent state."""
-    from ddtree_runtime.sglang_plugin.graph_sites import LINEAR_BACKEND_INIT, linear_backend_in_tree_mode
-
-    if linear_backend_in_tree_mode(runner.attn_backend) is False:
-        raise TreeGraphsNotCaptured(
-            "DDTREE trees on a hybrid target need its linear-attention backend in tree mode from "
-            f"construction, but it answers top-k {runner.attn_backend.linear_attn_backend.topk}: the "
-            f"plugin's hook on {LINEAR_BACKEND_INIT} did not run (is SGLANG_PLUGINS set for the "
-            "scheduler processes?). Its graphs would verify every tree as a chain."
-        )
 
 
 class DDTreeWorker(DFlashWorkerV2):
@@ -361,7 +215,6 @@ class DDTreeWorker(DFlashWorkerV2):
         self._ddtree_handshake.observe(hidden)
         self._publish(self._ddtree_handshake.to_dict())
 
-
 def add_tree_logprobs(batch: Any, logits_output: Any, out_tokens: Any, accept_index: Any) -> None:
     """SGLang's own speculative logprobs (``logprob_processor.compute_spec_logprobs``, its EAGLE-tree
     mode) for the tokens a tree round emitted: emitted token k of a request was decided at verify row
@@ -376,36 +229,3 @@ def add_tree_logprobs(batch: Any, logits_output: Any, out_tokens: Any, accept_in
     predict = torch.zeros(rows + 1, dtype=torch.long, device=out_tokens.device)
     predict.scatter_(0, at, out_tokens.reshape(-1).long())
     compute_spec_logprobs(batch, logits_output, predict[:rows], accept_index=accept_index)
-
-
-def round_input(batch: Any, bonus_tokens: Any, mask_cells: int | None = None) -> Any:
-    """``RoundInput`` from a ScheduleBatch: prefix, bonus, per-request sampling and stop tokens.
-    Greedy is SGLang's host flag ``is_all_greedy`` (temperatures None), never read from tensors."""
-    from ddtree_runtime.sglang_plugin.tree_round import RoundInput
-
-    info = batch.sampling_info
-    temperatures = top_ks = top_ps = None
-    if info is not None and not info.is_all_greedy:
-        top_ks = info.top_ks.reshape(-1)
-        # SGLang marks greedy requests with top_k <= 1 (temperature 0 becomes top_k 1).
-        temperatures = torch.where(top_ks <= 1, 0.0, info.temperatures.reshape(-1).float())
-        top_ps = info.top_ps.reshape(-1)
-    return RoundInput(
-        req_pool_indices=batch.req_pool_indices,
-        prefix_lens=batch.seq_lens,
-        bonus_tokens=bonus_tokens,
-        temperatures=temperatures,
-        top_ks=top_ks,
-        top_ps=top_ps,
-        stop_token_ids=tuple(stop_ids(req) for req in batch.reqs),
-        mask_cells=mask_cells,
-    )
-
-
-def stop_ids(req: Any) -> frozenset[int]:
-    """Token ids that end this request (its stop_token_ids, plus EOS unless ignore_eos)."""
-    params = req.sampling_params
-    ids = set(getattr(params, "stop_token_ids", None) or ())
-    if not getattr(params, "ignore_eos", False):
-        ids |= set(getattr(req, "eos_token_ids", None) or ())
-    return frozenset(int(i) for i in ids)
