@@ -5,11 +5,18 @@ uncertainty. Stdlib only; the verb (``ddtree_runtime/tune_cli.py``) feeds it.
 
 Round costs (ms per decode round of the whole batch), Qwen3.6-27B's shape:
 
-* H200, measured (docs/bench/prod-shape.md, the real SGLang 0.5.23 server, CUDA graphs, fp32 SSM state,
-  before trees ran overlapped): chain (DFLASH's decode; DDTREE's top-k cap 1 runs the same) and budget
-  16 at concurrency 1 (decode only: 22.7 / 31.3 ms), 4 and 16 (from tokens/s at acceptance 1.016:
-  running requests x 1.016 / tok/s). At 16 DFLASH's pool held 12 running requests (its scratch per
-  slot), so its benchmark of 16 ran 12 at a time: its point is at 12, not 16.
+* H200, measured (docs/bench/prod-shape.md, "Overlapped trees"; raw lines
+  ``docs/bench/2026-12-02-h200-prod-shape-overlapped.jsonl``: the real SGLang 0.5.23 server, CUDA
+  graphs, fp32 SSM state, dummy weights so acceptance 1.016 for both, trees under SGLang's overlap
+  scheduler): chain (DFLASH's decode; DDTREE's top-k cap 1 runs the same) and budget 16, from the
+  ``bench`` lines of **repeat 1** only. Repeat 0 is cold: DDTREE's first batch of each new size compiles
+  Triton kernels inside the round (SGLang's ``move_kv_cache``, which the page-1 KV commit calls, and the
+  plugin's top-K and walk kernels: 0.3-0.7 s each), and DFLASH's repeat 0 at 4 is cold too, so a mean
+  over both repeats prices warm-up, not a round. At concurrency 1 the decode round of one request,
+  (wall / 8 - median TTFT) / 63 rounds: 22.85 / 23.97 ms; at 4 and 16 from tokens/s,
+  running requests x 1.016 / tok/s: chain 129.83 and 308.65 tok/s, budget 16 118.34 and 261.8 tok/s.
+  Both servers held 16 running requests (``prod_start``'s pool line: max_running_requests=16), so the
+  points at 16 are at 16.
 * H200, modelled from those: budget 8 priced as 16 (not measured; its host gap and tree mask are the
   same, the 8 GDN rows it saves are under 1 ms and not credited); budgets 32 and 64 as 16 plus the GDN
   verify's extra time for their rows (docs/bench/gdn-tree-price.md, fp32 state: +8.5 ms at one request,
@@ -17,8 +24,11 @@ Round costs (ms per decode round of the whole batch), Qwen3.6-27B's shape:
   counted (so larger trees look no worse than they are; they are rarely cheaper).
 * Other GPUs (``--gpu A6000``), modelled: the GPU part of each H200 round scaled by the memory-bandwidth
   ratio (H200 4.8 TB/s over the GPU's, times the tensor-parallel size: decode at this shape reads the
-  weights every round), the host part (a tree round's 2.9 ms host gap at the H200, none for the chain)
-  kept as is; no all-reduce or PCIe cost. Not measured: a measured table (``--round-ms-json``) replaces it.
+  weights every round), the host part kept as is; no all-reduce or PCIe cost. The host part is none for
+  the chain and ``TREE_HOST_GAP_MS`` for a tree: the budget-16 round at concurrency 1 less the chain's
+  (1.1 ms), since there a tree's kernels cost no more than the chain's (25.0 against 25.7 ms a round
+  under SGLang's profiler) and the difference is host time the GPU waits for. Not measured: a measured
+  table (``--round-ms-json``) replaces it.
 
 Between measured concurrencies the cost is interpolated linearly, beyond the last it is extrapolated
 with the last segment's slope.
@@ -36,12 +46,19 @@ MIN_ROUNDS = (
     200  # below this the spread of the estimates is too wide to act on (docs/counterfactual-acceptance.md)
 )
 
-# ms per round at concurrency c, H200, Qwen3.6-27B shape (see module doc).
+# ms per round at concurrency c, H200, Qwen3.6-27B shape, trees overlapped (see module doc): the
+# repeat-1 bench lines of 2026-12-02-h200-prod-shape-overlapped.jsonl, 16 running requests each.
 H200_MEASURED: dict[str, dict[int, float]] = {
-    CHAIN: {1: 22.7, 4: 4 * 1.016 / 106.7 * 1e3, 12: 12 * 1.016 / 243.1 * 1e3},  # 12 ran (module doc)
-    "16": {1: 31.3, 4: 4 * 1.016 / 85.1 * 1e3, 16: 16 * 1.016 / 223.0 * 1e3},
+    CHAIN: {
+        1: (12.9276 / 8 - 0.17622) / 63 * 1e3,
+        4: 4 * 1.016 / 129.83 * 1e3,
+        16: 16 * 1.016 / 308.65 * 1e3,
+    },
+    "16": {1: (13.6365 / 8 - 0.19469) / 63 * 1e3, 4: 4 * 1.016 / 118.34 * 1e3, 16: 16 * 1.016 / 261.8 * 1e3},
 }
-TREE_HOST_GAP_MS = 31.3 - 25.3 - 3.1  # H200 budget-16 round minus its verify and drafter GPU windows
+# A tree round's host time the GPU waits for, beyond the chain's: at concurrency 1 the two rounds' kernels
+# cost the same (module doc), so it is the difference of the two measured rounds.
+TREE_HOST_GAP_MS = H200_MEASURED["16"][1] - H200_MEASURED[CHAIN][1]
 # GDN verify time a 64-node tree adds over a 16-node one (fp32 state), at 1 and 8 requests.
 GDN_EXTRA_64_MS = {1: 10.66 - 2.15, 8: 47.01 - 9.66}
 BANDWIDTH_TBS = {"H200": 4.8, "H100": 3.35, "A100": 2.0, "A6000": 0.768, "L40S": 0.864}

@@ -94,24 +94,32 @@ def test_every_shadow_runs_what_its_live_profile_runs(pair):
             )
 
 
-def test_the_live_profiles_figures_choose_the_chain_today(pair):
-    """What the figures in hand say (H200 at Qwen3.6-27B's shape measured before trees ran overlapped,
-    the hybrid lab pair's acceptance): a budget-16 round costs 1.25-1.38x the chain's, the tree accepts
-    1.18x, so the chain wins at every concurrency; budget 32 does not fit the live profiles."""
+def test_what_the_live_profiles_figures_choose_today(pair):
+    """What the figures in hand say (H200 at Qwen3.6-27B's shape with trees overlapped, the warm repeat;
+    the hybrid lab pair's acceptance, budget 16 1.18x the chain's): at 16 requests on one H200 a
+    budget-16 round costs 1.18x the chain's, a tie that the rule breaks for the chain by 0.1 %; at 8 on
+    two A6000s (modelled) budget 16 wins by 6 %. Budget 32 does not fit the live profiles."""
     got = choices(pair)
+    assert got["balanced"].chosen == CHAIN, got["balanced"]
+    ratio = got["balanced"].ratio_to_chain("16")
+    assert ratio is not None and 0.99 < ratio < 1.0, ratio  # a tie: the doc's row says so ("pending")
+    assert got["balanced-tp2"].chosen == "16", got["balanced-tp2"]
+    ratio = got["balanced-tp2"].ratio_to_chain("16")
+    assert ratio is not None and 1.03 < ratio < 1.10, ratio
     for name in ("balanced", "balanced-tp2"):
-        assert got[name].chosen == CHAIN, (name, got[name])
-        ratio = got[name].ratio_to_chain("16")
-        assert ratio is not None and 0.85 < ratio < 1.0, (name, ratio)
         assert "32" not in got[name].tokens_per_s and "does not fit: 32" in got[name].reason
 
 
-def test_the_chain_wins_where_a_tree_does_not(pair):
-    # The same figures at concurrency 1 on an H200: the chain (the round-cost ratio is larger than the
-    # lab pairs' acceptance gain), so a profile sized for one request would ship the chain.
+def test_a_tree_wins_where_its_round_costs_less_than_its_acceptance_gain(pair):
+    # The same figures at concurrency 1 on an H200: a budget-16 round costs 1.05x the chain's, it
+    # accepts 1.18x, so a profile sized for one request would ship budget 16 (1.12x the chain).
     one = {**PROFILES["balanced"], "flags": {**PROFILES["balanced"]["flags"], "max-running-requests": 1}}
     choice = choose_live("one-request", one, lab_tokens_per_round(), lambda label: True)
-    assert choice.chosen == CHAIN and choice.ratio_to_chain("16") < 1.0
+    assert choice.chosen == "16" and 1.10 < choice.ratio_to_chain("16") < 1.15
+    # ...and the chain wins where the tree's acceptance gain is below its round cost: a tree accepting
+    # only 1.02x the chain's tokens per round at one request.
+    tpr = {CHAIN: 4.83, "16": 4.83 * 1.02}
+    assert choose_live("one-request", one, tpr, lambda label: True).chosen == CHAIN
 
 
 def test_a_profile_changed_without_its_figures_fails(pair):
@@ -119,7 +127,9 @@ def test_a_profile_changed_without_its_figures_fails(pair):
     changed["balanced"]["flags"]["speculative-ddtree-budget"] = 8
     changed["shadow"]["flags"]["speculative-ddtree-topk-cap"] = 1
     got = choices(pair, changed)
-    assert (got["balanced"].runs, got["balanced"].chosen) == ("8", CHAIN)
+    # Budget 8 has no figures, so the rule cannot choose it: the row parts from the profile.
+    assert got["balanced"].runs == "8" and got["balanced"].chosen in (CHAIN, "16")
+    assert not got["balanced"].agrees
     assert (got["shadow"].runs, got["shadow"].chosen) == (CHAIN, "8")  # a shadow follows what live runs
 
 
