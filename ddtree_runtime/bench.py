@@ -265,7 +265,8 @@ def _server_main(args: argparse.Namespace) -> int:
     prompts = args.prompt or list(DEFAULT_SERVER_PROMPTS)
     summary = bench_server(url, prompts, levels=args.concurrency, requests_per_level=args.requests,
                            repeats=args.repeats, max_new_tokens=args.max_new_tokens,
-                           temperature=args.temperature, label=args.label)  # fmt: skip
+                           temperature=args.temperature, label=args.label,
+                           warm_each_level=not args.no_level_warmup)  # fmt: skip
     for level, row in summary.items():
         row.pop("ids")
         print(json.dumps({"bench": "server_summary", "server": args.label, "concurrency": level, **row}))
@@ -313,6 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--prompt", action="append", help="a prompt (repeatable; default: a fixed set of 8)")
     s.add_argument("--label", default="", help="names the server in every line")
+    s.add_argument(
+        "--no-level-warmup",
+        action="store_true",
+        help="time each level's first pass too (by default it runs once unmeasured: kernels a server "
+        "compiles at a new batch size would otherwise be timed as rounds)",
+    )
     s.set_defaults(func=_server_main)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -133,13 +133,26 @@ def bench_server(
     temperature: float = 0.0,
     label: str = "",
     emit: Any = print,
+    warm_each_level: bool = True,
 ) -> dict[int, dict[str, Any]]:
     """Every level ``repeats`` times (one warm-up request first); returns the per-level medians and
-    the output ids of the last repeat (by request index) under ``"ids"``."""
+    the output ids of the last repeat (by request index) under ``"ids"``.
+
+    ``warm_each_level``: each level first runs once unmeasured (its line says ``server_warmup``). A
+    server compiles kernels the first time it meets a batch size (Triton specialises on sizes: on the
+    H200 a tree server's first pass at a new concurrency ran 0.68x its warm speed), so without it
+    the first repeat times compiles, not rounds."""
     run_level(url, prompts[:1], concurrency=1, requests=1, max_new_tokens=8, temperature=temperature)
     summary: dict[int, dict[str, Any]] = {}
     for level in levels:
         n = requests_per_level or max(2 * level, len(prompts))
+        if warm_each_level:
+            results, wall = run_level(
+                url, prompts, concurrency=level, requests=n, max_new_tokens=max_new_tokens,
+                temperature=temperature,
+            )  # fmt: skip
+            row = summarize(results, wall)
+            emit(json.dumps({"bench": "server_warmup", "server": label, "concurrency": level, **row}))
         rows = []
         ids: list[list[int]] = []
         for repeat in range(repeats):

@@ -85,7 +85,8 @@ def test_a_level_keeps_its_concurrency_and_reads_tokens_steps_and_first_chunk_ti
 def test_the_summary_takes_medians_over_repeats_and_keeps_the_ids(server):
     lines = []
     summary = bench_server(server, ["ab"], levels=[1, 2], repeats=3, max_new_tokens=TOKENS, emit=lines.append)
-    assert len(lines) == 6 and {json.loads(x)["concurrency"] for x in lines} == {1, 2}
+    measured = [json.loads(x) for x in lines if json.loads(x)["bench"] == "server"]
+    assert len(measured) == 6 and {x["concurrency"] for x in measured} == {1, 2}
     assert summary[2]["requests"] == 4 and len(summary[2]["ids"]) == 4  # 2 x concurrency, every prompt once
     assert summary[1]["accept_length"] == TOKENS / STEPS
 
@@ -100,3 +101,25 @@ def test_a_failing_server_fails_the_level_with_the_cause(server):
 def test_absurd_levels_are_refused(concurrency, requests):
     with pytest.raises(ValueError, match="choose"):
         run_level("http://127.0.0.1:9", ["a"], concurrency=concurrency, requests=requests, max_new_tokens=4)
+
+
+def test_each_level_runs_once_unmeasured_before_its_repeats(server, monkeypatch):
+    """A server compiles kernels at each new batch size: the first pass of a level is a warm-up, named
+    as such, and the medians come from the repeats after it."""
+    import ddtree_runtime.health.server_bench as sb
+
+    calls = []
+    real = sb.run_level
+    monkeypatch.setattr(sb, "run_level", lambda *a, **kw: calls.append(kw["concurrency"]) or real(*a, **kw))
+    lines = []
+    bench_server(server, ["ab"], levels=[1, 2], repeats=2, max_new_tokens=TOKENS, emit=lines.append)
+    kinds = [(json.loads(x)["bench"], json.loads(x)["concurrency"]) for x in lines]
+    assert kinds == [("server_warmup", 1), ("server", 1), ("server", 1),
+                     ("server_warmup", 2), ("server", 2), ("server", 2)]  # fmt: skip
+    assert calls == [1, 1, 1, 1, 2, 2, 2]  # the one-request warm-up, then each level 1 + 2 times
+
+    calls.clear()
+    lines.clear()
+    bench_server(server, ["ab"], levels=[2], repeats=2, max_new_tokens=TOKENS, emit=lines.append,
+                 warm_each_level=False)  # fmt: skip
+    assert [json.loads(x)["bench"] for x in lines] == ["server", "server"] and calls == [1, 2, 2]
