@@ -214,23 +214,33 @@ def _is_count(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
+def _index_weight_map(index: Path) -> dict[str, Any]:
+    """A sharded checkpoint's ``weight_map`` (tensor name -> shard file), or ContractError."""
+    try:
+        doc = read_json_file(index, "safetensors index", cause="bad_safetensors")
+    except ContractError as exc:
+        raise ContractError("bad_safetensors", f"{index} is not a valid safetensors index: {exc}") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ContractError("bad_safetensors", f"{index} has no weight_map")
+    return weight_map
+
+
+def _is_shard_name(name: Any) -> bool:
+    # A shard is a file next to the index: no paths, so a hostile index cannot point elsewhere.
+    if not isinstance(name, str) or name in ("", ".", ".."):
+        return False
+    return "/" not in name and "\\" not in name
+
+
 def find_fc_weight(draft_dir: Path) -> tuple[tuple[int, int], Path]:
     """The drafter's ``fc.weight`` [out, in] from a single-file or sharded checkpoint."""
     index = draft_dir / "model.safetensors.index.json"
     if os.path.lexists(index):
-        try:
-            doc = read_json_file(index, "safetensors index", cause="bad_safetensors")
-        except ContractError as exc:
-            raise ContractError(
-                "bad_safetensors", f"{index} is not a valid safetensors index: {exc}"
-            ) from None
-        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-        if not isinstance(weight_map, dict):
-            raise ContractError("bad_safetensors", f"{index} has no weight_map")
+        weight_map = _index_weight_map(index)
         key = _fc_key(weight_map, index)
         name = weight_map[key]
-        # A shard is a file next to the index: no paths, so a hostile index cannot point elsewhere.
-        if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
+        if not _is_shard_name(name):
             raise ContractError(
                 "bad_safetensors", f"{index}: {key} maps to {str(name)[:80]!r}, not a shard file name"
             )
@@ -268,19 +278,11 @@ def _weight_files(model_dir: Path, role: str) -> list[Path]:
     """Every safetensors file of a checkpoint: the shards its index names, else the ``*.safetensors``."""
     index = model_dir / "model.safetensors.index.json"
     if os.path.lexists(index):
-        try:
-            doc = read_json_file(index, "safetensors index", cause="bad_safetensors")
-        except ContractError as exc:
-            raise ContractError(
-                "bad_safetensors", f"{index} is not a valid safetensors index: {exc}"
-            ) from None
-        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
-        if not isinstance(weight_map, dict) or not weight_map:
+        weight_map = _index_weight_map(index)
+        if not weight_map:
             raise ContractError("bad_safetensors", f"{index} has no weight_map")
         names = sorted({v for v in weight_map.values() if isinstance(v, str)})
-        # Shards are files next to the index (as in find_fc_weight): a hostile index cannot point elsewhere.
-        bad = [v for v in weight_map.values() if not isinstance(v, str) or not v or "/" in v or "\\" in v
-               or v in (".", "..")]
+        bad = [v for v in weight_map.values() if not _is_shard_name(v)]
         if bad:
             raise ContractError(
                 "bad_safetensors", f"{index} maps tensors to {str(bad[0])[:80]!r}, not a shard file name"
