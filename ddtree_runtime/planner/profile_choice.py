@@ -17,13 +17,33 @@ fails when a profile's setting and its figures part.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import json
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from ddtree_runtime.planner.tune import CHAIN, round_ms
 
 LIVE_PORT = 30000  # profiles.yml: live services listen here, shadows on their own port
+# The GPU lab's hybrid pair servers whose acceptance prices each setting (docs/bench/profile-choice.md).
+LAB_HYBRID_SERVERS = {CHAIN: "hybrid-dflash", "16": "hybrid-ddtree-b16", "32": "hybrid-ddtree-b32"}
+
+
+def lab_tokens_per_round(
+    lines: Iterable[str], servers: Mapping[str, str] = LAB_HYBRID_SERVERS
+) -> dict[str, float]:
+    """Accept length (tokens per round, the bonus token included) per setting, from the GPU lab's
+    ``bench_summary`` lines; lines that are not JSON (pytest's own output in the same file) are skipped."""
+    found: dict[str, float] = {}
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        for label, server in servers.items():
+            if row.get("case") == "bench_summary" and row.get("server") == server:
+                found[label] = float(row["accept_length"])
+    return found
 
 
 @dataclass(frozen=True)

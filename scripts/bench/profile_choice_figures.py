@@ -9,28 +9,19 @@ is priced here whether or not it fits (the profile table, which the test pins, p
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from ddtree_runtime.planner.profile_choice import LAB_HYBRID_SERVERS, lab_tokens_per_round
 from ddtree_runtime.planner.tune import CHAIN, round_ms
 
 REPO = Path(__file__).resolve().parents[2]
 FIGURES = REPO / "docs/bench/2026-12-01-h200-gpu-lab-bench-hybrid.jsonl"
-SERVERS = {CHAIN: "hybrid-dflash", "16": "hybrid-ddtree-b16", "32": "hybrid-ddtree-b32"}
+SERVERS = LAB_HYBRID_SERVERS
 POINTS = (("H200", 1, (1, 4, 8, 16)), ("A6000", 2, (1, 4, 8)))
 
 
 def tokens_per_round() -> dict[str, float]:
-    found: dict[str, float] = {}
-    for line in FIGURES.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        for label, server in SERVERS.items():
-            if row.get("case") == "bench_summary" and row.get("server") == server:
-                found[label] = float(row["accept_length"])
-    return found
+    return lab_tokens_per_round(FIGURES.read_text().splitlines())
 
 
 def main() -> int:

@@ -9,7 +9,6 @@ each profile is meant to run. Change a profile's budget, or the figures, and the
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +20,7 @@ import yaml
 from ddtree_runtime.planner import load_model_pair, plan_memory
 from ddtree_runtime.planner.gpus import parse_shorthand
 from ddtree_runtime.planner.profile_choice import (
+    LAB_HYBRID_SERVERS,
     Choice,
     choose_live,
     choose_shadow,
@@ -28,6 +28,7 @@ from ddtree_runtime.planner.profile_choice import (
     live_profile_of,
     profile_setting,
 )
+from ddtree_runtime.planner.profile_choice import lab_tokens_per_round as read_lab_tokens_per_round
 from ddtree_runtime.planner.settings import from_flags
 from ddtree_runtime.planner.tune import CHAIN, flag_overrides
 from tests.fixtures_models import write_full_checkpoint_pair
@@ -38,21 +39,13 @@ PROFILES = yaml.safe_load((REPO / "roles/sglang_service/vars/profiles.yml").read
     "sglang_service_profiles"
 ]
 FIGURES = REPO / "docs/bench/2026-12-01-h200-gpu-lab-bench-hybrid.jsonl"
-SERVERS = {CHAIN: "hybrid-dflash", "16": "hybrid-ddtree-b16", "32": "hybrid-ddtree-b32"}
+SERVERS = LAB_HYBRID_SERVERS
 DOC = REPO / "docs/bench/profile-choice.md"
 
 
 def lab_tokens_per_round() -> dict[str, float]:
     """Accept length (tokens per round, the bonus token included) per setting, from the raw lines."""
-    found: dict[str, float] = {}
-    for line in FIGURES.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # the file also holds pytest's own output lines
-        for label, server in SERVERS.items():
-            if row.get("case") == "bench_summary" and row.get("server") == server:
-                found[label] = float(row["accept_length"])
+    found = read_lab_tokens_per_round(FIGURES.read_text().splitlines())
     assert set(found) == set(SERVERS), f"{FIGURES.name} lacks {set(SERVERS) - set(found)}"
     return found
 
