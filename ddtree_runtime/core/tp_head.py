@@ -21,7 +21,7 @@ shape 7 of 120 rows of random logits).
 
 Nothing of SGLang here: the collective is a callable with the signature of
 ``torch.distributed.all_gather_into_tensor(out, inp)`` (SGLang's ``GroupCoordinator`` has the
-same method), and the shard is three integers (``sglang_plugin/draft_head.py`` reads them from
+same method), and the shard is three integers (``sglang_plugin/round/draft_head.py`` reads them from
 ``VocabParallelEmbedding.shard_indices``). On CUDA the shard's top-K runs in the project's Triton
 kernel (``kernels.shard_topk``) and the rest is graph-capturable torch (no host reads).
 Facts: shared docs tp-drafter-head.md.

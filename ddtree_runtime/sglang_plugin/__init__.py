@@ -20,11 +20,12 @@ The modules, as a reader of SGLang's ``srt/speculative/`` looks for them (``dfla
   round's input from a ``ScheduleBatch``), ``ddtree_worker`` (``DDTreeWorker`` on
   ``DFlashWorkerV2``), ``worker_checks`` (its start-up refusals and the width contract),
   ``hidden_guard`` (the hidden-state check after every target forward);
-* one tree round: ``tree_round`` (the round with its two model passes injected), ``sglang_round``
-  (those passes on SGLang's runners), ``tree_step`` (tree, verify arrays, walk in SGLang's layout),
-  ``tree_commit`` (the accepted KV into SGLang's pools), ``hybrid`` (Gated DeltaNet targets' state
-  scratch and commit), ``bounds`` (host sizes from the scheduler's bounds, never the device),
-  ``draft_head`` (the drafter's per-depth distribution, vocabulary-parallel too);
+* one tree round, the subpackage ``round``: ``tree_round`` (the round with its two model passes
+  injected), ``sglang_models`` (those passes on SGLang's runners), ``tree_step`` (tree, verify arrays,
+  walk in SGLang's layout), ``tree_commit`` (the accepted KV into SGLang's pools), ``hybrid_state``
+  (Gated DeltaNet targets' state scratch and commit), ``bounds`` (host sizes from the scheduler's
+  bounds, never the device), ``draft_head`` (the drafter's per-depth distribution,
+  vocabulary-parallel too);
 * ``check``: ``python -m ddtree_runtime.sglang_plugin.check``, is DDTREE registered here?
 """
 

@@ -24,7 +24,7 @@ class DDTreeVerifyInput(DFlashVerifyInput):
 def round_input(batch: Any, bonus_tokens: Any, mask_cells: int | None = None) -> Any:
     """``RoundInput`` from a ScheduleBatch: prefix, bonus, per-request sampling and stop tokens.
     Greedy is SGLang's host flag ``is_all_greedy`` (temperatures None), never read from tensors."""
-    from ddtree_runtime.sglang_plugin.tree_round import RoundInput
+    from ddtree_runtime.sglang_plugin.round.tree_round import RoundInput
 
     info = batch.sampling_info
     temperatures = top_ks = top_ps = None

@@ -18,7 +18,7 @@ Decode:
   block -> ``ddtree_runtime.core.tree`` -> one tree-masked target verify of budget + 1 rows -> hidden
   guard -> walk (greedy, or lossless sampling) -> stop truncation -> KV commit (page size 1:
   re-map the reserved window; page size > 1: move rows) -> the drafter gets the accepted rows'
-  hidden states by node index. The model passes are ``sglang_round.SGLangRoundModels``.
+  hidden states by node index. The model passes are ``sglang_models.SGLangRoundModels``.
 
 Configurations the tree round cannot serve are refused at worker start with the reason
 (``check_tree_decode_support``); prefill always runs DFlash's own code (prompt materialisation).
@@ -32,11 +32,11 @@ import torch
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
 from ddtree_runtime.sglang_plugin.algorithm import is_chain, published_settings, resolved_settings
-from ddtree_runtime.sglang_plugin.bounds import verify_mask_cells
 from ddtree_runtime.sglang_plugin.ddtree_info import round_input
 from ddtree_runtime.sglang_plugin.gates import DDTreeConfigError
 from ddtree_runtime.sglang_plugin.handshake import HandshakeMetrics, HandshakeState, static_handshake
 from ddtree_runtime.sglang_plugin.hidden_guard import guard_target_forward
+from ddtree_runtime.sglang_plugin.round.bounds import verify_mask_cells
 from ddtree_runtime.sglang_plugin.worker_checks import (
     check_tree_decode_support,
     check_tree_graphs,
@@ -139,7 +139,7 @@ class DDTreeWorker(DFlashWorkerV2):
     def _tree_decode(self, batch: Any, on_publish: Any) -> Any:
         from sglang.srt.managers.utils import GenerationBatchResult
 
-        from ddtree_runtime.sglang_plugin.tree_round import RoundConfig, run_tree_round
+        from ddtree_runtime.sglang_plugin.round.tree_round import RoundConfig, run_tree_round
 
         if batch.has_grammar:
             # Not refusable at start (per request). NB: SGLang's scheduler does not survive this.
@@ -166,8 +166,8 @@ class DDTreeWorker(DFlashWorkerV2):
         commit_state = None
         if getattr(self, "_need_mamba_verify_commit", False):
             # GDN hybrid: the accepted node's recurrent state, committed after the walk and the
-            # stop truncation, before any other target forward (hybrid.commit_tree_state).
-            from ddtree_runtime.sglang_plugin.hybrid import commit_tree_state
+            # stop truncation, before any other target forward (hybrid_state.commit_tree_state).
+            from ddtree_runtime.sglang_plugin.round.hybrid_state import commit_tree_state
 
             def commit_state(accept_index: torch.Tensor, commit_lens: torch.Tensor) -> None:
                 commit_tree_state(self.target_worker, batch, accept_index, commit_lens, cfg.verify_rows)
@@ -207,7 +207,7 @@ class DDTreeWorker(DFlashWorkerV2):
 
     def _round_models(self, batch: Any) -> Any:
         """The round's model passes (``tree_round.RoundModels``): SGLang's runners."""
-        from ddtree_runtime.sglang_plugin.sglang_round import SGLangRoundModels
+        from ddtree_runtime.sglang_plugin.round.sglang_models import SGLangRoundModels
 
         return SGLangRoundModels(self, batch)
 

@@ -79,7 +79,7 @@ def check_tree_worker_features(settings: dict[str, Any], worker: Any) -> None:
 
 def _hybrid_tree_problems(settings: dict[str, Any], runner: Any) -> list[str]:
     """A recurrent-state target: only GDN layers, with dense per-row scratch wide enough."""
-    from ddtree_runtime.sglang_plugin.hybrid import HybridScratchError, check_tree_scratch
+    from ddtree_runtime.sglang_plugin.round.hybrid_state import HybridScratchError, check_tree_scratch
 
     kind = hybrid_kind(runner.model_config)
     if kind != GDN:

@@ -213,7 +213,7 @@ class VerifyForwardBatch(SimpleNamespace):
 class HybridToyModels(ToyModels):
     """``tree_round.RoundModels`` for the hybrid toy: the verify's GDN layer runs through SGLang's
     backend in tree mode (``graph_sites.linear_backend_tree_hook``) with the plugin's tree input
-    (``ddtree_info.DDTreeVerifyInput``), exactly as ``sglang_round.SGLangRoundModels.target_verify``
+    (``ddtree_info.DDTreeVerifyInput``), exactly as ``sglang_models.SGLangRoundModels.target_verify``
     hands them to the model runner."""
 
     def __init__(self, target: HybridToyTarget, req_to_token, target_kv, draft_kv, *, pool, backend, noise):

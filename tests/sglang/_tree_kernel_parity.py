@@ -14,7 +14,7 @@ define_torchvision_op_schemas()
 
 from sglang.kernels.ops.speculative.spec_tree import verify_tree_greedy_triton  # noqa: E402
 
-from ddtree_runtime.sglang_plugin.tree_step import accept_from_posterior, plan_tree_verify  # noqa: E402
+from ddtree_runtime.sglang_plugin.round.tree_step import accept_from_posterior, plan_tree_verify  # noqa: E402
 
 
 def posterior_along_a_path(plan, generator: torch.Generator, vocab: int) -> torch.Tensor:

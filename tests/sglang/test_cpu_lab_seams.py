@@ -130,7 +130,7 @@ def test_the_verify_faults_patch_the_plugins_round(monkeypatch):
     """relaxed_accept and verify_causal_mask replace what run_tree_round calls (restored after the test);
     the lab hosts' lossless probe sees the first (tests/lab/test_real_sglang_lab.py)."""
     faults = importlib.import_module("ddtree_sglang_cpu_lab.faults")
-    from ddtree_runtime.sglang_plugin import tree_round
+    from ddtree_runtime.sglang_plugin.round import tree_round
 
     monkeypatch.setattr(tree_round, "plan_tree_verify", tree_round.plan_tree_verify)
     monkeypatch.setattr(tree_round, "walk_round", tree_round.walk_round)

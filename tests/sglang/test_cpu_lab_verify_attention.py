@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from ddtree_runtime.sglang_plugin.tree_step import plan_tree_verify
+from ddtree_runtime.sglang_plugin.round.tree_step import plan_tree_verify
 
 verify = pytest.importorskip("ddtree_sglang_cpu_lab.verify_attention")
 

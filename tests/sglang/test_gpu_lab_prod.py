@@ -81,7 +81,7 @@ def test_the_analysis_gives_time_idle_and_syncs_per_round(tmp_path):
     # verify, one per stream). Per round: verify kernels 4 ms, draft 2 ms, so 4 ms
     # idle; one stream sync issued from the plugin's tree round, one device-to-host copy.
     events = []
-    tree_round = "ddtree_runtime/sglang_plugin/tree_round.py(120): run_tree_round"
+    tree_round = "ddtree_runtime/sglang_plugin/round/tree_round.py(120): run_tree_round"
     for r in range(3):
         t = r * 10_000
         events += [

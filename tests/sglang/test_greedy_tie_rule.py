@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ddtree_runtime.core.tree import build_tree
-from ddtree_runtime.sglang_plugin.tree_round import walk_round
+from ddtree_runtime.sglang_plugin.round.tree_round import walk_round
 from tests._ties import tied_round
 
 pytestmark = pytest.mark.sglang

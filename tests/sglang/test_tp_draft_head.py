@@ -90,7 +90,7 @@ def _rank_main(rank: int, init_file: str, out_dir: str) -> None:
     from sglang.srt.runtime_context import get_parallel
 
     from ddtree_runtime.core import tree
-    from ddtree_runtime.sglang_plugin.draft_head import draft_head
+    from ddtree_runtime.sglang_plugin.round.draft_head import draft_head
 
     group = get_parallel().tp_group
     weight, hidden = head_inputs()
@@ -116,7 +116,7 @@ def _tp_decode(group) -> dict:
 
     from ddtree_runtime.sglang_plugin.ddtree_worker import DDTreeWorker
     from ddtree_runtime.sglang_plugin.handshake import HandshakeState, static_handshake
-    from ddtree_runtime.sglang_plugin.sglang_round import SGLangRoundModels
+    from ddtree_runtime.sglang_plugin.round.sglang_models import SGLangRoundModels
     from tests.sglang._tree_decode_toy import ToyModels, ToyTarget, make_pools
     from tests.sglang.test_tree_decode_worker import _batch
 

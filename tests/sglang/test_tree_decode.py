@@ -9,9 +9,14 @@ import pytest
 import torch
 
 from ddtree_runtime.core.tree import walk_posterior
-from ddtree_runtime.sglang_plugin.tree_commit import accepted_moves, commit_accepted_kv, window_slots
-from ddtree_runtime.sglang_plugin.tree_round import RoundConfig, RoundInput, run_tree_round, truncate_at_stop
-from ddtree_runtime.sglang_plugin.tree_step import plan_tree_verify
+from ddtree_runtime.sglang_plugin.round.tree_commit import accepted_moves, commit_accepted_kv, window_slots
+from ddtree_runtime.sglang_plugin.round.tree_round import (
+    RoundConfig,
+    RoundInput,
+    run_tree_round,
+    truncate_at_stop,
+)
+from ddtree_runtime.sglang_plugin.round.tree_step import plan_tree_verify
 from tests.sglang._tree_decode_toy import DTYPE, ToyModels, ToyTarget, make_pools
 
 pytestmark = pytest.mark.sglang
@@ -345,7 +350,7 @@ def test_the_hidden_guard_runs_after_the_verify_forward():
 
 
 def test_processed_probs_apply_temperature_top_k_and_top_p():
-    from ddtree_runtime.sglang_plugin.tree_round import processed_probs
+    from ddtree_runtime.sglang_plugin.round.tree_round import processed_probs
 
     logits = torch.log(torch.tensor([[[0.5, 0.3, 0.15, 0.05]]])).repeat(3, 1, 1)
     probs = processed_probs(
@@ -366,7 +371,7 @@ def test_sampled_walk_emits_the_targets_own_distribution():
     """T > 0 is lossless: over many independent rounds on one tree, the first emitted token follows
     the target's processed distribution at the root, and the second, given an accepted first
     node, the distribution at that node's row (chi-square, fixed seed)."""
-    from ddtree_runtime.sglang_plugin.tree_round import processed_probs, walk_round
+    from ddtree_runtime.sglang_plugin.round.tree_round import processed_probs, walk_round
 
     n, vocab = 6000, 6
     g = torch.Generator().manual_seed(11)

@@ -195,10 +195,10 @@ def test_the_gpu_adapter_speaks_the_pinned_releases_api():
     from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
     from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
-    from ddtree_runtime.sglang_plugin import sglang_round
     from ddtree_runtime.sglang_plugin.ddtree_info import DDTreeVerifyInput
+    from ddtree_runtime.sglang_plugin.round import sglang_models
 
-    source = inspect.getsource(sglang_round)
+    source = inspect.getsource(sglang_models)
 
     def kwargs_of(call: str) -> set[str]:
         """Keyword names of the first ``call(...)`` in the adapter's source."""
@@ -213,10 +213,10 @@ def test_the_gpu_adapter_speaks_the_pinned_releases_api():
         raise AssertionError(f"unbalanced call {call}")
 
     checks = {
-        "ForwardBatch": sglang_round.ForwardBatch,
+        "ForwardBatch": sglang_models.ForwardBatch,
         "DDTreeVerifyInput": DDTreeVerifyInput,
         "kv_index_translator.plan": KVIndexTranslator.plan,
-        "apply_dflash_verify_logits_adjustments": sglang_round.apply_dflash_verify_logits_adjustments,
+        "apply_dflash_verify_logits_adjustments": sglang_models.apply_dflash_verify_logits_adjustments,
         "._append_target_hidden_to_draft_kv_by_loc": DFlashWorkerV2._append_target_hidden_to_draft_kv_by_loc,
     }
     for call, target in checks.items():

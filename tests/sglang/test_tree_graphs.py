@@ -128,8 +128,8 @@ def test_a_verify_reports_the_forwards_own_graph_answer_and_plans_once(monkeypat
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
     from ddtree_runtime.sglang_plugin.ddtree_info import DDTreeVerifyInput
-    from ddtree_runtime.sglang_plugin.sglang_round import SGLangRoundModels
-    from ddtree_runtime.sglang_plugin.tree_step import plan_tree_verify
+    from ddtree_runtime.sglang_plugin.round.sglang_models import SGLangRoundModels
+    from ddtree_runtime.sglang_plugin.round.tree_step import plan_tree_verify
 
     loaded = SimpleNamespace(forward_mode=ForwardMode.TARGET_VERIFY, can_run_decode_cuda_graph=True)
     monkeypatch.setattr(DDTreeVerifyInput, "prepare_for_verify", lambda self, batch, worker: (loaded, True))

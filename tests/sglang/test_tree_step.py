@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ddtree_runtime.sglang_plugin.tree_step import (
+from ddtree_runtime.sglang_plugin.round.tree_step import (
     accept_from_posterior,
     accept_greedy,
     combine_shard_argmax,

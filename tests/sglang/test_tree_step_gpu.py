@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree_runtime.sglang_plugin.tree_step import (
+from ddtree_runtime.sglang_plugin.round.tree_step import (
     accept_from_posterior,
     gather_accepted_hidden,
     plan_tree_verify,

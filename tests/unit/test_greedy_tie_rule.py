@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from ddtree_runtime.core.tree import build_tree, walk_greedy
-from ddtree_runtime.sglang_plugin.tree_round import walk_round
-from ddtree_runtime.sglang_plugin.tree_step import accept_greedy, combine_shard_argmax
+from ddtree_runtime.sglang_plugin.round.tree_round import walk_round
+from ddtree_runtime.sglang_plugin.round.tree_step import accept_greedy, combine_shard_argmax
 from tests._ties import NEAR_TIE_LOGPROB_GAP, judge_greedy, sglang_greedy, tied_round
 
 # Ties inside one Triton tile, and across tiles / split-V chunks (the kernels tile V by 4096).

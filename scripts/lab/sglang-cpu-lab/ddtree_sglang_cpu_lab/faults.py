@@ -10,7 +10,7 @@ way a build in the field was.
   reach the target), so SGLang's logits processor returns no hidden states at all.
 
 Two break the tree verify without breaking fluency, for the live probe's lossless check. They patch the
-DDTREE plugin's round (``ddtree_runtime.sglang_plugin.tree_round``), not this layer's CPU pieces, so a
+DDTREE plugin's round (``ddtree_runtime.sglang_plugin.round.tree_round``), not this layer's CPU pieces, so a
 GPU lab layer can install them the same way (``install_verify_fault``):
 
 * ``relaxed_accept``: at T = 0 the tree walk accepts a drafted token whose target probability is at least
@@ -37,7 +37,7 @@ from ddtree_sglang_cpu_lab.seams import require
 
 VERIFY_FAULTS = ("relaxed_accept", "verify_causal_mask")
 FAULTS = ("capture_predicate", "hidden_none", *VERIFY_FAULTS)
-TREE_ROUND = "ddtree_runtime.sglang_plugin.tree_round"
+TREE_ROUND = "ddtree_runtime.sglang_plugin.round.tree_round"
 
 __all__ = ["FAULTS", "FAULT_ENV", "UnknownFault", "install", "install_verify_fault", "selected_fault"]
 

@@ -24,10 +24,10 @@ from sglang.srt.speculative.spec_utils import draft_tp_context
 from torch import Tensor
 
 from ddtree_runtime.core.tree_types import DraftTopK
-from ddtree_runtime.sglang_plugin.bounds import host_length_bound
 from ddtree_runtime.sglang_plugin.ddtree_info import DDTreeVerifyInput
-from ddtree_runtime.sglang_plugin.draft_head import draft_head
-from ddtree_runtime.sglang_plugin.tree_step import TreeVerifyBatch
+from ddtree_runtime.sglang_plugin.round.bounds import host_length_bound
+from ddtree_runtime.sglang_plugin.round.draft_head import draft_head
+from ddtree_runtime.sglang_plugin.round.tree_step import TreeVerifyBatch
 
 
 class SGLangRoundModels:

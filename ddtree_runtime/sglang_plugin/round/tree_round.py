@@ -39,8 +39,8 @@ from ddtree_runtime.core.contract import HiddenContract
 from ddtree_runtime.core.hidden_states import check_hidden_states
 from ddtree_runtime.core.model_files import ContractError
 from ddtree_runtime.core.tree import DraftTopK, WalkResult, walk_greedy, walk_sample
-from ddtree_runtime.sglang_plugin.tree_commit import KVCommit, commit_accepted_kv, window_slots
-from ddtree_runtime.sglang_plugin.tree_step import (
+from ddtree_runtime.sglang_plugin.round.tree_commit import KVCommit, commit_accepted_kv, window_slots
+from ddtree_runtime.sglang_plugin.round.tree_step import (
     TreeAccept,
     TreeVerifyBatch,
     draft_position_logits,
