@@ -20,8 +20,8 @@ check: venv
 lint: venv
 	$(VENV)/bin/ruff check .
 
-venv: $(VENV)/.installed $(VENV)/.sglang-installed $(VENV)/.sglang-cpu-lab-installed $(VENV)/.sglang-gpu-lab-installed \
-      $(VENV)/router/.installed
+venv: $(VENV)/.installed $(VENV)/.sglang-installed $(VENV)/.sglang-lab-base-installed $(VENV)/.sglang-cpu-lab-installed \
+      $(VENV)/.sglang-gpu-lab-installed $(VENV)/router/.installed
 
 # torch==2.13.0 first: it is the CPU wheel on disk; an unpinned torch would pull GBs of CUDA wheels.
 $(VENV)/.installed: pyproject.toml
@@ -40,12 +40,21 @@ $(VENV)/.sglang-installed: $(VENV)/.installed requirements/sglang-test.txt
 	touch $@
 # --- end sglang test environment
 
+# --- the lab layers' base (issue 42): the machinery both lab layers below run on (boot, seams, fault
+# switch, stand-in, the real-server harness), a distribution of its own; inert by itself.
+LAB_BASE := scripts/lab/sglang-lab-base
+$(VENV)/.sglang-lab-base-installed: $(VENV)/.sglang-installed $(LAB_BASE)/pyproject.toml \
+    $(wildcard $(LAB_BASE)/ddtree_sglang_lab_base/*.py)
+	rm -rf $(VENV)/.lab-base-build && cp -r $(LAB_BASE) $(VENV)/.lab-base-build
+	$(PIP) install -q --no-deps --no-build-isolation $(VENV)/.lab-base-build && rm -rf $(VENV)/.lab-base-build
+	touch $@
+# --- end lab layers' base
+
 # --- the real SGLang server on CPU (issue 16): the lab-only compatibility layer and what the server
-# imports beyond the set above. It stays inert in this venv unless DDTREE_SGLANG_CPU_LAB=1. Its base/
-# subpackage is the machinery both lab layers share (the GPU lab's layer below imports it).
+# imports beyond the set above. It stays inert in this venv unless DDTREE_SGLANG_CPU_LAB=1.
 CPU_LAB := scripts/lab/sglang-cpu-lab
-$(VENV)/.sglang-cpu-lab-installed: $(VENV)/.sglang-installed $(CPU_LAB)/requirements.txt $(CPU_LAB)/pyproject.toml $(CPU_LAB)/setup.py \
-    $(wildcard $(CPU_LAB)/ddtree_sglang_cpu_lab/*.py $(CPU_LAB)/ddtree_sglang_cpu_lab/base/*.py)
+$(VENV)/.sglang-cpu-lab-installed: $(VENV)/.sglang-lab-base-installed $(CPU_LAB)/requirements.txt $(CPU_LAB)/pyproject.toml \
+    $(CPU_LAB)/setup.py $(wildcard $(CPU_LAB)/ddtree_sglang_cpu_lab/*.py)
 	$(PIP) install -q -r $(CPU_LAB)/requirements.txt
 	rm -rf $(VENV)/.cpu-lab-build && cp -r $(CPU_LAB) $(VENV)/.cpu-lab-build
 	$(PIP) install -q --no-deps --no-build-isolation $(VENV)/.cpu-lab-build && rm -rf $(VENV)/.cpu-lab-build

@@ -13,7 +13,7 @@ from .values import as_bool
 def service_argv(v: Mapping[str, Any]) -> list[str]:
     """The unit's ExecStart words: the engine, the models, the profile's flags, the host's, the address."""
     release = v["release_dir"]
-    head = ([f"{release}/bin/ddtree", "lab", "serve"] if v["engine"] == "lab"
+    head = ([f"{release}/bin/ddtree", "tiny-engine", "serve"] if v["engine"] == "lab"
             else [f"{release}/bin/python", "-m", "sglang.launch_server"])
     argv = [*head, "--model-path", v["model_path"], "--speculative-algorithm", v["speculative_algorithm"],
             "--speculative-draft-model-path", v["draft_model_path"]]

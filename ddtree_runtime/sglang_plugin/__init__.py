@@ -12,14 +12,17 @@ The modules, as a reader of SGLang's ``srt/speculative/`` looks for them (``dfla
 
 * start-up, every process: ``registration`` (what :func:`register` does), ``names`` (the fixed
   names), ``cli_args`` (DDTREE's flags), ``algorithm`` (the ``CustomSpecAlgo`` and the resolution of
-  the flags into SGLang's fields), ``gates`` (configurations refused with the reason);
+  the flags into SGLang's fields);
+* start-up refusals, the subpackage ``refusals`` (each with the reason and what starts instead):
+  ``resolution`` (at argument resolution: refused flags, the attention backend, the hybrid gate),
+  ``worker_start`` (at the worker's construction: the width contract, what the tree round cannot serve,
+  the graphs' mode);
 * hooks on SGLang's own code: ``sites`` (sites that test the name ``"DFLASH"``), ``graph_sites``
   (what the target's CUDA graphs capture for trees), ``server_info`` and ``handshake`` (the
   handshake in ``/server_info`` and ``sglang:ddtree_*`` metrics);
 * the algorithm's info and worker: ``ddtree_info`` (the verify input SGLang's backends read, the
   round's input from a ``ScheduleBatch``), ``ddtree_worker`` (``DDTreeWorker`` on
-  ``DFlashWorkerV2``), ``worker_checks`` (its start-up refusals and the width contract),
-  ``hidden_guard`` (the hidden-state check after every target forward);
+  ``DFlashWorkerV2``), ``hidden_guard`` (the hidden-state check after every target forward);
 * one tree round, the subpackage ``round``: ``tree_round`` (the round with its two model passes
   injected), ``sglang_models`` (those passes on SGLang's runners), ``tree_step`` (tree, verify arrays,
   walk in SGLang's layout), ``tree_commit`` (the accepted KV into SGLang's pools), ``hybrid_state``

@@ -21,8 +21,8 @@ from typing import Any
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
 from ddtree_runtime.sglang_plugin.cli_args import ddtree_args_of
-from ddtree_runtime.sglang_plugin.gates import DDTreeConfigError, check_hybrid, check_refusals
 from ddtree_runtime.sglang_plugin.names import ALGORITHM
+from ddtree_runtime.sglang_plugin.refusals.resolution import DDTreeConfigError, check_hybrid, check_refusals
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class DDTreeSpecAlgo(CustomSpecAlgo):
         )
 
     def build_disagg_draft_input(self, batch, last_tokens_tensor, future_map):
-        return None  # disaggregated serving is refused at start-up (gates.REFUSALS)
+        return None  # disaggregated serving is refused at start-up (refusals.resolution.REFUSALS)
 
     # --- sizes -----------------------------------------------------------------------------
     def handle_server_args(self, server_args: Any) -> None:
@@ -133,11 +133,11 @@ def is_chain(settings: dict[str, Any]) -> bool:
 
 def _hybrid_kind(record: Any) -> tuple[str | None, str]:
     """SGLang's own answer to "does this target keep recurrent state, and of which kind?"
-    (``gates.hybrid_kind``; None: pure attention), and the config class it read."""
+    (``refusals.resolution.hybrid_kind``; None: pure attention), and the config class it read."""
     from sglang.srt.arg_groups.model_override_base import model_config_of
     from sglang.srt.configs.hybrid_arch import mambaish_config
 
-    from ddtree_runtime.sglang_plugin.gates import hybrid_kind
+    from ddtree_runtime.sglang_plugin.refusals.resolution import hybrid_kind
 
     model_config = model_config_of(record)
     state_config = mambaish_config(model_config)

@@ -33,16 +33,16 @@ from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
 from ddtree_runtime.sglang_plugin.algorithm import is_chain, published_settings, resolved_settings
 from ddtree_runtime.sglang_plugin.ddtree_info import round_input
-from ddtree_runtime.sglang_plugin.gates import DDTreeConfigError
 from ddtree_runtime.sglang_plugin.handshake import HandshakeMetrics, HandshakeState, static_handshake
 from ddtree_runtime.sglang_plugin.hidden_guard import guard_target_forward
-from ddtree_runtime.sglang_plugin.round.bounds import verify_mask_cells
-from ddtree_runtime.sglang_plugin.worker_checks import (
+from ddtree_runtime.sglang_plugin.refusals.resolution import DDTreeConfigError
+from ddtree_runtime.sglang_plugin.refusals.worker_start import (
     check_tree_decode_support,
     check_tree_graphs,
     check_tree_worker_features,
     startup_contract,
 )
+from ddtree_runtime.sglang_plugin.round.bounds import verify_mask_cells
 
 logger = logging.getLogger(__name__)
 

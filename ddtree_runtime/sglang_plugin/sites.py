@@ -1,6 +1,6 @@
 """Hooks and overrides for the SGLang 0.5.23 sites that test the literal name ``"DFLASH"`` or
 the enum member instead of a predicate (docs/sglang-plugin-sites.md has the full table; the
-sites handled by a start-up refusal live in ``gates.py``).
+sites handled by a start-up refusal live in ``refusals/resolution.py``).
 
 Every hook is registered through SGLang's ``HookRegistry`` and applied by ``load_plugins()``.
 Each one changes behaviour only when the running algorithm is DDTREE.

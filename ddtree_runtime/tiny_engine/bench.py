@@ -36,7 +36,7 @@ def run_bench(
 ) -> list[dict]:
     import torch
 
-    from ddtree_runtime.tiny_engine.engine import LabEngine, SamplingParams
+    from ddtree_runtime.tiny_engine.engine import SamplingParams, TinyEngine
     from ddtree_runtime.tiny_engine.language import LAB_PROMPTS
     from ddtree_runtime.tiny_engine.models import load_target_config
 
@@ -47,7 +47,7 @@ def run_bench(
     rows: list[dict] = []
     ar_tps = None
     for algo, budget in _methods(budgets):
-        engine = LabEngine(
+        engine = TinyEngine(
             models / "target",
             models / "draft",
             algorithm=algo,
@@ -131,7 +131,7 @@ def bench_main(args: argparse.Namespace) -> int:
         for models in dirs:
             if not (models / "target" / "config.json").exists():
                 print(
-                    f"{models}/target/config.json not found: run `ddtree lab make-models {models}`",
+                    f"{models}/target/config.json not found: run `ddtree tiny-engine make-models {models}`",
                     file=sys.stderr,
                 )
                 return 2

@@ -1,4 +1,4 @@
-"""`ddtree lab make-models | serve | bench` (host side; torch is imported inside the handlers)."""
+"""`ddtree tiny-engine make-models | serve | bench` (host side; torch is imported inside the handlers)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,16 @@ def _bench(args: argparse.Namespace) -> int:
     return bench_main(args)
 
 
-def register(lab_subparsers: argparse._SubParsersAction) -> None:
-    p = lab_subparsers.add_parser(
+def register(subparsers: argparse._SubParsersAction, *, listed: bool = True) -> None:
+    """The verbs under ``subparsers``; ``listed=False`` leaves them out of the group's help (an old
+    spelling kept working)."""
+
+    def add_parser(name: str, **kwargs: str) -> argparse.ArgumentParser:
+        if not listed:
+            kwargs.pop("help", None)  # argparse lists a sub-command only when it has a help text
+        return subparsers.add_parser(name, **kwargs)
+
+    p = add_parser(
         "make-models",
         help="write the tiny lab models (DIR/target, DIR/draft, DIR/draft-mismatched)",
         description="Train a tiny Qwen3-style target on the lab language and distil a DFlash-style drafter "
@@ -44,9 +52,9 @@ def register(lab_subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kind", choices=["dense", "hybrid"], default="dense", help="target kind (default dense)")
     p.set_defaults(func=_make_models)
 
-    p = lab_subparsers.add_parser(
+    p = add_parser(
         "serve",
-        help="the lab engine behind SGLang's HTTP surface (SGLang launch flags)",
+        help="the tiny engine behind SGLang's HTTP surface (SGLang launch flags)",
         description="Serve the lab models with SGLang's launch flags and endpoints. Faults: DDTREE_LAB_FAULT="
         "capture_predicate|hidden_none|slow_start|crash_after_start. Notional device memory for "
         "--mem-fraction-static: DDTREE_LAB_DEVICE_MEMORY_MB (default 128).",
@@ -54,7 +62,7 @@ def register(lab_subparsers: argparse._SubParsersAction) -> None:
     add_server_args(p)
     p.set_defaults(func=_serve)
 
-    p = lab_subparsers.add_parser(
+    p = add_parser(
         "bench",
         help="tokens/s and acceptance length of AR, DFlash and DDTree on the lab models (JSON lines)",
     )

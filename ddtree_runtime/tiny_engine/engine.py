@@ -37,7 +37,7 @@ from ddtree_runtime.tiny_engine import faults as lab_faults
 from ddtree_runtime.tiny_engine.faults import ENGINE_FAULTS as FAULTS
 from ddtree_runtime.tiny_engine.logprobs import LogprobRecord, LogprobRequest, record_prompt
 from ddtree_runtime.tiny_engine.models import KVCache, causal_mask, load_draft, load_target
-from ddtree_runtime.tiny_engine.tokenizer import LabTokenizer
+from ddtree_runtime.tiny_engine.tokenizer import TinyTokenizer
 
 ALGORITHMS = ("NONE", "DFLASH", "DDTREE")
 
@@ -119,7 +119,7 @@ class EngineStats:
     last_accept_length: float = 0.0
 
 
-class LabEngine:
+class TinyEngine:
     """The lab models plus one decoding algorithm (NONE = autoregressive, DFLASH, DDTREE); `generate` runs a
     batch to completion. Speculative engines load the hidden-state contract first and guard every target
     forward with it (`HiddenStateError` carries SGLang's wording and the contract's)."""
@@ -147,7 +147,7 @@ class LabEngine:
             raise ValueError(f"unknown engine fault {fault!r}; choose one of {FAULTS}")
         self.algorithm, self.budget, self.topk_cap = algorithm, int(budget), topk_cap
         self.device, self.fault = torch.device(device), fault
-        self.tokenizer = LabTokenizer()
+        self.tokenizer = TinyTokenizer()
         self.target = load_target(target_dir, device=device, dtype=dtype)
         self.contract: HiddenContract | None = None
         self.draft = None
@@ -405,7 +405,7 @@ class RunningBatch:
     between rounds; finished ones leave. Rows of every tensor (KV caches, lengths, roots) follow
     `self.requests`."""
 
-    def __init__(self, engine: LabEngine) -> None:
+    def __init__(self, engine: TinyEngine) -> None:
         self.engine = engine
         self.requests: list[Request] = []
         self.cache: KVCache | None = None
@@ -629,7 +629,7 @@ def _load_contract(target_dir, draft_dir) -> HiddenContract:
         raise HiddenStateError(message, exc.cause) from exc
 
 
-def timed_generate(engine: LabEngine, prompts, params) -> tuple[list[GenerationResult], float]:
+def timed_generate(engine: TinyEngine, prompts, params) -> tuple[list[GenerationResult], float]:
     t0 = time.perf_counter()
     out = engine.generate(prompts, params)
     if engine.device.type == "cuda":

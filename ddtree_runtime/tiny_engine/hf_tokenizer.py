@@ -1,11 +1,11 @@
 """The lab tokenizer as a Hugging Face ``tokenizer.json``, so a real SGLang server can load the lab models.
 
-``LabTokenizer`` encodes by greedy longest match over raw bytes (word pieces carry their leading space,
+``TinyTokenizer`` encodes by greedy longest match over raw bytes (word pieces carry their leading space,
 ``.`` and the special tokens are pieces too, every other byte is its own id). ``tokenizers``' WordPiece
 model is also greedy longest match, so the same ids come out when
 
 * a ByteLevel pre-tokenizer (no regex) first maps every byte to one printable character (non-ASCII
-  text is matched byte by byte, as ``LabTokenizer`` does);
+  text is matched byte by byte, as ``TinyTokenizer`` does);
 * a Split before every space cuts the text into chunks; no piece holds a space except as its first
   character, so no piece spans two chunks and greedy matching per chunk is greedy matching overall;
 * the continuation prefix is empty, so a piece matches the same way at a chunk's start and inside it
@@ -13,10 +13,11 @@ model is also greedy longest match, so the same ids come out when
   would drop a second spelling of an id);
 * the special tokens are added tokens with their own ids (matched before anything else).
 
-Byte 46 is the one id left out: ``.`` is also a word piece (id 308), which ``LabTokenizer`` always
+Byte 46 is the one id left out: ``.`` is also a word piece (id 308), which ``TinyTokenizer`` always
 picks, so id 46 is never produced by encoding; the tiny models do not emit it either (trained on
-``LabTokenizer``'s encodings), and if one did, decoding would skip it. ``tests/unit/test_lab_hf_tokenizer.py``
-checks ids and text against ``LabTokenizer`` on the lab language and on arbitrary text.
+``TinyTokenizer``'s encodings), and if one did, decoding would skip it.
+``tests/unit/test_tiny_hf_tokenizer.py`` checks ids and text against ``TinyTokenizer`` on the lab language
+and on arbitrary text.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ import json
 from functools import cache
 from pathlib import Path
 
-from ddtree_runtime.tiny_engine.tokenizer import NUM_BYTES, SPECIAL_TOKENS, LabTokenizer
+from ddtree_runtime.tiny_engine.tokenizer import NUM_BYTES, SPECIAL_TOKENS, TinyTokenizer
 
-# Qwen's ChatML, the layout LabTokenizer.apply_chat_template writes.
+# Qwen's ChatML, the layout TinyTokenizer.apply_chat_template writes.
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -49,7 +50,7 @@ def byte_chars() -> tuple[str, ...]:
     return tuple(chars[b] for b in range(256))
 
 
-def tokenizer_spec(lab: LabTokenizer) -> dict:
+def tokenizer_spec(lab: TinyTokenizer) -> dict:
     """The ``tokenizer.json`` document (see module docstring)."""
     chars = byte_chars()
     vocab: dict[str, int] = {}
@@ -83,7 +84,7 @@ def tokenizer_spec(lab: LabTokenizer) -> dict:
     }
 
 
-def tokenizer_config(lab: LabTokenizer) -> dict:
+def tokenizer_config(lab: TinyTokenizer) -> dict:
     """``tokenizer_config.json`` for ``PreTrainedTokenizerFast`` (what ``AutoTokenizer`` loads)."""
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -97,7 +98,7 @@ def tokenizer_config(lab: LabTokenizer) -> dict:
     }
 
 
-def save_hf_tokenizer(lab: LabTokenizer, directory: Path) -> None:
+def save_hf_tokenizer(lab: TinyTokenizer, directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "tokenizer.json").write_text(json.dumps(tokenizer_spec(lab), ensure_ascii=False) + "\n")
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(lab), indent=2) + "\n")

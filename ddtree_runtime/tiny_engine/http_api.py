@@ -3,7 +3,7 @@
 Hostile or careless clients get what SGLang 0.5.23 gives them, an HTTP answer and a server that keeps
 serving: a 400 for a body that breaks its contract (sglang_requests reads the bodies), a 413 for an
 oversized body, a 408 for a client that stalls mid-body. The module knows the server only through
-:class:`~ddtree_runtime.tiny_engine.lab_service.LabService`, so it imports nothing of server.py (which
+:class:`~ddtree_runtime.tiny_engine.server_view.TinyServerView`, so it imports nothing of server.py (which
 imports it).
 """
 
@@ -18,7 +18,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from ddtree_runtime.tiny_engine.jobs import Job
-from ddtree_runtime.tiny_engine.lab_service import LabService
+from ddtree_runtime.tiny_engine.server_view import TinyServerView
 from ddtree_runtime.tiny_engine.serving_metrics import CONTENT_TYPE
 from ddtree_runtime.tiny_engine.sglang_requests import (
     BadRequest,
@@ -34,13 +34,13 @@ MAX_BODY_BYTES = 64 * 1024 * 1024  # a request body beyond this is refused (413)
 CLIENT_TIMEOUT_S = 60.0  # a client silent this long mid-request (or idle on keep-alive) is dropped
 
 
-class LabHTTPServer(ThreadingHTTPServer):
+class TinyHTTPServer(ThreadingHTTPServer):
     """One thread per connection, with uvicorn's listen backlog: the stdlib's 5 resets clients in a burst."""
 
     daemon_threads = True
     request_queue_size = 2048
 
-    def __init__(self, address: tuple[str, int], lab: LabService) -> None:
+    def __init__(self, address: tuple[str, int], lab: TinyServerView) -> None:
         self.lab = lab
         super().__init__(address, Handler)
 
@@ -53,7 +53,7 @@ class Handler(BaseHTTPRequestHandler):
     timeout = CLIENT_TIMEOUT_S  # StreamRequestHandler: the socket's timeout, so no client holds a thread
 
     @property
-    def lab(self) -> LabService:
+    def lab(self) -> TinyServerView:
         return self.server.lab  # type: ignore[attr-defined]
 
     def log_message(self, fmt: str, *args) -> None:
@@ -304,7 +304,7 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
 
 
-def generate_item(lab: LabService, job: Job, i: int, rid: str | None = None) -> dict:
+def generate_item(lab: TinyServerView, job: Job, i: int, rid: str | None = None) -> dict:
     """One /generate answer, SGLang-shaped: text, output_ids and meta_info (spec fields under speculation)."""
     r = job.results[i]
     meta = {
@@ -329,7 +329,7 @@ def generate_item(lab: LabService, job: Job, i: int, rid: str | None = None) -> 
     return {"text": text, "output_ids": r.output_ids, "meta_info": meta}
 
 
-def _openai_response(lab: LabService, job: Job, *, chat: bool, model) -> dict:
+def _openai_response(lab: TinyServerView, job: Job, *, chat: bool, model) -> dict:
     r = job.results[0]
     text = lab.engine.tokenizer.decode(r.output_ids)
     reason = r.finish_reason["type"]

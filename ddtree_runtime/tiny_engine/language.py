@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 
-from ddtree_runtime.tiny_engine.tokenizer import IM_END_ID, IM_START_ID, WORD_TOKENS, LabTokenizer
+from ddtree_runtime.tiny_engine.tokenizer import IM_END_ID, IM_START_ID, WORD_TOKENS, TinyTokenizer
 
 SUCCESSOR_PROBS = (0.7, 0.2, 0.1)
 
@@ -25,8 +25,8 @@ LAB_PROMPTS = (
 )
 
 
-class LabLanguage:
-    def __init__(self, tokenizer: LabTokenizer, seed: int = 1234) -> None:
+class TinyLanguage:
+    def __init__(self, tokenizer: TinyTokenizer, seed: int = 1234) -> None:
         rng = random.Random(seed)
         self.words = [tokenizer.token_id(w) for w in _chain_words(tokenizer)]
         n = len(self.words)
@@ -56,5 +56,5 @@ class LabLanguage:
         return (header + seq)[:length]
 
 
-def _chain_words(tokenizer: LabTokenizer) -> list[str]:
+def _chain_words(tokenizer: TinyTokenizer) -> list[str]:
     return [w for w in WORD_TOKENS if w not in ("user", "assistant")]

@@ -1,5 +1,5 @@
-"""`ddtree lab make-models DIR [--kind dense|hybrid]`: train the lab target, distil the drafter on it, write
-real checkpoints.
+"""`ddtree tiny-engine make-models DIR [--kind dense|hybrid]`: train the lab target, distil the drafter on
+it, write real checkpoints.
 
 Two pairs: ``dense`` (a Qwen3-style target) and ``hybrid`` (Qwen3.5's pattern: three Gated DeltaNet layers,
 then one attention layer), each with a DFlash drafter distilled on its own target. Deterministic: every
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from ddtree_runtime.tiny_engine.hf_tokenizer import save_hf_tokenizer
-from ddtree_runtime.tiny_engine.language import LabLanguage
+from ddtree_runtime.tiny_engine.language import TinyLanguage
 from ddtree_runtime.tiny_engine.models import (
     DraftConfig,
     DraftModel,
@@ -30,7 +30,7 @@ from ddtree_runtime.tiny_engine.models import (
     causal_mask,
     init_weights,
 )
-from ddtree_runtime.tiny_engine.tokenizer import EOS_TOKEN_ID, MASK_TOKEN_ID, VOCAB_SIZE, LabTokenizer
+from ddtree_runtime.tiny_engine.tokenizer import EOS_TOKEN_ID, MASK_TOKEN_ID, VOCAB_SIZE, TinyTokenizer
 
 TARGET_CONFIG = TargetConfig(vocab_size=VOCAB_SIZE)
 # Qwen3.5's hybrid pattern (full_attention_interval 4): layers 0-2 Gated DeltaNet, layer 3 attention.
@@ -61,7 +61,7 @@ MISMATCHED_DRAFT_CONFIG = DraftConfig(
 DEPTH_DECAY = 7.0  # DFlash's loss weight exp(-(d-1)/gamma) per block depth
 
 
-def _train_target(model: TargetModel, lang: LabLanguage, rng: random.Random, steps: int) -> float:
+def _train_target(model: TargetModel, lang: TinyLanguage, rng: random.Random, steps: int) -> float:
     batch, seq = 32, 40
     data = torch.tensor([lang.sample(seq + 1, rng, chat=i % 5 == 0) for i in range(batch * steps)])
     opt = torch.optim.AdamW(model.parameters(), lr=4e-3, betas=(0.9, 0.95), weight_decay=0.0)
@@ -94,7 +94,7 @@ def _continue(model: TargetModel, prompts: torch.Tensor, new: int, sample: bool,
     return seq
 
 
-def _distillation_set(target: TargetModel, lang: LabLanguage, rng: random.Random, gen: torch.Generator):
+def _distillation_set(target: TargetModel, lang: TinyLanguage, rng: random.Random, gen: torch.Generator):
     """(tokens [N, T], features [N, T, k*H], prompt_len) groups of the target's greedy and sampled outputs."""
     groups = []
     for plen, sample in ((4, False), (7, False), (12, False), (6, True)):
@@ -174,8 +174,8 @@ def make_models(
     torch.set_num_threads(1)  # one thread: identical float reductions, hence identical bytes, every run
     t0 = time.monotonic()
     try:
-        tokenizer = LabTokenizer()
-        lang = LabLanguage(tokenizer, seed=1234 + seed)
+        tokenizer = TinyTokenizer()
+        lang = TinyLanguage(tokenizer, seed=1234 + seed)
         rng = random.Random(seed)
         gen = torch.Generator().manual_seed(seed)
 

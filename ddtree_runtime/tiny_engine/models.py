@@ -574,7 +574,7 @@ def _read_config(directory: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except FileNotFoundError as exc:
-        raise FileNotFoundError(f"{path} not found: run `ddtree lab make-models DIR` first") from exc
+        raise FileNotFoundError(f"{path} not found: run `ddtree tiny-engine make-models DIR` first") from exc
 
 
 def load_target_config(directory: str | Path) -> TargetConfig:

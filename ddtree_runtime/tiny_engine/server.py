@@ -1,4 +1,4 @@
-"""`ddtree lab serve`: the lab engine behind SGLang's HTTP surface (docs/interfaces.md section 3).
+"""`ddtree tiny-engine serve`: the tiny engine behind SGLang's HTTP surface (docs/interfaces.md section 3).
 
 Stdlib ThreadingHTTPServer for the endpoints (http_api.py), one scheduler thread that batches queued
 requests (up to --max-running-requests) into the engine. Start-up follows SGLang: the port answers
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ddtree_runtime import __version__
 from ddtree_runtime.tiny_engine import faults
-from ddtree_runtime.tiny_engine.http_api import LabHTTPServer, generate_item
+from ddtree_runtime.tiny_engine.http_api import TinyHTTPServer, generate_item
 from ddtree_runtime.tiny_engine.jobs import Job
 from ddtree_runtime.tiny_engine.server_args import (
     DEFAULT_DEVICE_MEMORY_MB,
@@ -42,10 +42,10 @@ WARMUP_TEXT = "The capital city of France is"
 DECODE_LOG_INTERVAL = 40  # decode steps between two "Decode batch" lines, as in SGLang
 
 
-_NOT_SERVER_ARGS = ("command", "lab_command", "func", "lab_fault")
+_NOT_SERVER_ARGS = ("command", "engine_command", "lab_command", "func", "lab_fault")
 
 
-class LabServer:
+class TinyServer:
     """State shared by the HTTP handlers, the scheduler thread and the main thread."""
 
     def __init__(self, sargs: dict, plan: faults.FaultPlan, device: str) -> None:
@@ -81,7 +81,7 @@ class LabServer:
 
     def start(self) -> None:
         """Load, size the pool, start the scheduler, warm up. Raises on any start-up failure."""
-        from ddtree_runtime.tiny_engine.engine import LabEngine  # torch: only when serving
+        from ddtree_runtime.tiny_engine.engine import TinyEngine  # torch: only when serving
 
         sa = self.sargs
         if self.plan.start_delay_s:
@@ -94,7 +94,7 @@ class LabServer:
         log.info("Load weight begin. avail mem=%.2f GB", self._device_total_gb())
         t0 = time.monotonic()
         algo = sa["speculative_algorithm"] or "NONE"
-        self.engine = LabEngine(
+        self.engine = TinyEngine(
             sa["model_path"],
             sa["speculative_draft_model_path"],
             algorithm=algo,
@@ -449,14 +449,14 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     device = _default_device(args.device)
     sargs["device"] = device
-    sargs["launch_command"] = "ddtree lab serve " + " ".join(_argv_of(args))
+    sargs["launch_command"] = "ddtree tiny-engine serve " + " ".join(_argv_of(args))
     shown = {k: v for k, v in sargs.items() if k not in _NOT_SERVER_ARGS}
     log.info("server_args=ServerArgs(%s)", ", ".join(f"{k}={v!r}" for k, v in shown.items()))
     if plan.fault:
         log.info("Lab fault armed: %s", plan.fault)
-    lab = LabServer(sargs, plan, device)
+    lab = TinyServer(sargs, plan, device)
     try:
-        httpd = LabHTTPServer((sargs["host"], sargs["port"]), lab)
+        httpd = TinyHTTPServer((sargs["host"], sargs["port"]), lab)
     except OSError as exc:
         log.error(
             "[Errno %s] error while attempting to bind on address (%r, %d): %s",
@@ -486,7 +486,7 @@ def serve(args: argparse.Namespace) -> int:
     return _drain(lab, httpd)
 
 
-def _drain(lab: LabServer, httpd: LabHTTPServer) -> int:
+def _drain(lab: TinyServer, httpd: TinyHTTPServer) -> int:
     lab.status = "draining"
     while lab.inflight or lab.running or not lab.jobs.empty():
         log.info("Gracefully exiting... Remaining number of requests %d.", max(lab.inflight, lab.running))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ddtree_runtime.tiny_engine.lab_service import LabService
+from ddtree_runtime.tiny_engine.server_view import TinyServerView
 
 SAMPLING_EPS = 1e-6  # SGLang's _SAMPLING_EPS: a lower temperature means greedy
 DEFAULT_TEMPERATURE = 1.0  # SGLang's SamplingParams default: a request without one samples
@@ -169,7 +169,7 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 60 else text[:40] + "..."
 
 
-def parse_generate(body: dict, lab: LabService) -> tuple[list[list[int]], list, bool]:
+def parse_generate(body: dict, lab: TinyServerView) -> tuple[list[list[int]], list, bool]:
     """SGLang's GenerateReqInput subset: (prompts, params, batched)."""
     from ddtree_runtime.tiny_engine.engine import SamplingParams
 
@@ -255,7 +255,7 @@ def parse_logprobs(body: dict, prompts: list[list[int]]) -> list | None:
     return out if any(out) else None
 
 
-def parse_tokenize(body: dict, lab: LabService) -> dict:
+def parse_tokenize(body: dict, lab: TinyServerView) -> dict:
     """SGLang's /tokenize (TokenizeRequest, prompt text or a list of texts): the ids /generate reads."""
     prompt = body.get("prompt")
     tok = lab.engine.tokenizer
@@ -291,7 +291,7 @@ def check_context(prompts, params, context_length: int) -> None:
             )
 
 
-def parse_openai(body: dict, lab: LabService, *, chat: bool) -> tuple[list[int], object]:
+def parse_openai(body: dict, lab: TinyServerView, *, chat: bool) -> tuple[list[int], object]:
     from ddtree_runtime.tiny_engine.engine import SamplingParams
 
     tok = lab.engine.tokenizer

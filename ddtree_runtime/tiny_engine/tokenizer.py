@@ -16,7 +16,7 @@ IM_START_ID = NUM_BYTES + 1
 IM_END_ID = NUM_BYTES + 2
 MASK_TOKEN_ID = NUM_BYTES + 3
 
-# The lab language's words (see models.LabLanguage); order fixes the ids, never reorder.
+# The lab language's words (see models.TinyLanguage); order fixes the ids, never reorder.
 LAB_WORDS = (
     "the", "a", "cat", "dog", "bird", "fox", "tree", "river", "stone", "house", "garden", "road",
     "sees", "finds", "likes", "follows", "carries", "watches", "builds", "paints",
@@ -29,7 +29,7 @@ WORD_TOKENS = (*(" " + w for w in LAB_WORDS), ".", "user", "assistant")
 VOCAB_SIZE = 320  # padded like real vocabularies (multiple of 64)
 
 
-class LabTokenizer:
+class TinyTokenizer:
     """Byte fallback + special tokens + whole-word tokens; ids are stable across versions."""
 
     def __init__(self) -> None:

@@ -33,8 +33,9 @@ def test_each_host_of_a_batch_gets_the_release_built_for_it(lab: LabHandle, whee
     build = build[: build.index("TASK [", 10)]
     # One controller task, two builds.
     assert re.findall(r"ok: \[ct129 -> localhost\] => \(item=(.*?)\)", build) == [
-        "ddtree-runtime", "ddtree-runtime + sglang-cpu-lab"]  # fmt: skip
+        "ddtree-runtime", "ddtree-runtime + sglang-lab-base + sglang-cpu-lab"]  # fmt: skip
     plain, cpu = _named_release(out, "ct129"), _named_release(out, "ct131")
     assert plain["release_id"] != cpu["release_id"]
     assert plain["extra_wheels"] == []
-    assert [w["wheel_name"].split("-")[0] for w in cpu["extra_wheels"]] == ["ddtree_sglang_cpu_lab"]
+    assert [w["wheel_name"].split("-")[0] for w in cpu["extra_wheels"]] == [
+        "ddtree_sglang_lab_base", "ddtree_sglang_cpu_lab"]  # fmt: skip

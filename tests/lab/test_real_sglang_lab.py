@@ -121,7 +121,7 @@ def world(lab: LabHandle, wheelhouse: Path, tmp_path_factory) -> dict:
 def test_the_unit_runs_real_sglang_with_the_cpu_layer_and_the_probe_passes(world):
     host: Host = world["host"]
     unit = host.ssh(f"cat {LIVE_FILES[0]}")
-    assert "/bin/python -m sglang.launch_server" in unit and "ddtree lab serve" not in unit
+    assert "/bin/python -m sglang.launch_server" in unit and "ddtree tiny-engine serve" not in unit
     for flag in ("--device cpu", "--attention-backend torch_native", "--speculative-algorithm DDTREE",
                  "--speculative-ddtree-budget 16", "--max-total-tokens 8192"):  # fmt: skip
         assert flag in unit, flag
@@ -130,7 +130,8 @@ def test_the_unit_runs_real_sglang_with_the_cpu_layer_and_the_probe_passes(world
     assert 'DDTREE_SGLANG_CPU_LAB="1"' in env and 'SGLANG_USE_CPU_ENGINE="1"' in env
     release = host.json(STATE)["release_dir"]
     extra_wheels = host.json(f"{release}/release.json")["extra_wheels"]
-    assert extra_wheels == ["ddtree_sglang_cpu_lab-0.1.0-py3-none-any.whl"]
+    assert extra_wheels == ["ddtree_sglang_lab_base-0.1.0-py3-none-any.whl",
+                            "ddtree_sglang_cpu_lab-0.1.0-py3-none-any.whl"]  # fmt: skip
     probe = host.json(PROBE_REPORT)
     assert probe["ok"] is True, probe
     checked = probe["figures"]["lossless"]  # the target's own prefill agrees with every emitted token

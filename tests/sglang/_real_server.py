@@ -4,7 +4,7 @@ The flags are the `balanced` profile's (roles/sglang_service/vars/profiles.yml),
 templates/sglang-qwen.service.j2 renders them, then ct131's CPU flags and environment
 (inventories/lab/host_vars/ct131.yml): the server a test talks to is the one the lab deploys.
 One server at a time; the process harness (leased ports, readiness, stop by PID, HTTP) is the lab
-base's (``ddtree_sglang_cpu_lab.base.server``), the one the GPU lab's server uses too.
+base's (``ddtree_sglang_lab_base.server``), the one the GPU lab's server uses too.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from ddtree_sglang_cpu_lab.base.server import (
+from ddtree_sglang_lab_base.server import (
     READY_LINE,
     SPECULATIVE_ONLY_FLAGS,
     ServerFailed,

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.sglang
 
 
 def _lab_hybrid_pair(root: Path) -> Path:
-    """The keys of the lab hybrid pair's configs that the prod pair keeps (ddtree lab make-models)."""
+    """The keys of the lab hybrid pair's configs that the prod pair keeps (ddtree tiny-engine make-models)."""
     (root / "target").mkdir(parents=True)
     (root / "draft").mkdir()
     target = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_size": 64,

@@ -50,7 +50,7 @@ def test_override_changes_nothing_on_a_gdn_hybrid(sglang_plugins, tmp_path):
 
 
 def test_mamba2_hybrid_is_refused_naming_what_starts_instead(sglang_plugins, tmp_path):
-    from ddtree_runtime.sglang_plugin.gates import DDTreeConfigError
+    from ddtree_runtime.sglang_plugin.refusals.resolution import DDTreeConfigError
 
     target, draft = _nemotron(tmp_path)
     with pytest.raises(DDTreeConfigError) as exc:
@@ -63,7 +63,7 @@ def test_mamba2_hybrid_is_refused_naming_what_starts_instead(sglang_plugins, tmp
 
 
 def test_override_starts_only_the_chain_case_on_an_unaudited_kind(sglang_plugins, tmp_path):
-    from ddtree_runtime.sglang_plugin.gates import DDTreeConfigError
+    from ddtree_runtime.sglang_plugin.refusals.resolution import DDTreeConfigError
 
     target, draft = _nemotron(tmp_path)
     with pytest.raises(DDTreeConfigError, match="starts the chain case only"):
@@ -79,7 +79,7 @@ def test_override_starts_only_the_chain_case_on_an_unaudited_kind(sglang_plugins
     [("kda", "Kimi Delta Attention"), ("lightning", "seg_la"), ("linear-attention:x", "not audited")],
 )
 def test_every_unaudited_kind_is_refused_with_its_reason(kind, words):
-    from ddtree_runtime.sglang_plugin.gates import DDTreeConfigError, check_hybrid
+    from ddtree_runtime.sglang_plugin.refusals.resolution import DDTreeConfigError, check_hybrid
 
     with pytest.raises(DDTreeConfigError, match=words):
         check_hybrid("/m", kind, "Cfg", allow_hybrid=False, chain=True, block=16)
@@ -93,7 +93,7 @@ def test_hybrid_kind_is_sglangs_classification(sglang_plugins, tmp_path):
     from sglang.srt.arg_groups.model_override_base import model_config_of
     from sglang.srt.server_args import prepare_server_args
 
-    from ddtree_runtime.sglang_plugin.gates import hybrid_kind
+    from ddtree_runtime.sglang_plugin.refusals.resolution import hybrid_kind
     from tests.fixtures_models import write_pair
 
     kinds = {}

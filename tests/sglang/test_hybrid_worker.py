@@ -211,7 +211,10 @@ def test_dedup_hook_gives_ddtree_trees_the_dense_conv_scratch_and_chains_keep_df
 def test_worker_start_refuses_a_hybrid_pool_that_cannot_hold_a_tree(publish_ddtree):
     from sglang.srt.configs import NemotronHConfig
 
-    from ddtree_runtime.sglang_plugin.worker_checks import TreeDecodeNotAvailable, check_tree_worker_features
+    from ddtree_runtime.sglang_plugin.refusals.worker_start import (
+        TreeDecodeNotAvailable,
+        check_tree_worker_features,
+    )
     from tests.sglang._hybrid_toy import make_hybrid_pool
 
     def worker(pool, model_config=None):

@@ -28,7 +28,7 @@ import pytest
 
 from tests._stats import homogeneity_p_value
 from tests.sglang._real_server import RealServer, profile_argv
-from tests.unit._lab import lab_models
+from tests.unit._tiny_engine import lab_models
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -278,10 +278,10 @@ def test_sampling_and_chat_answer(ddtree):
 
 
 def test_a_drafter_that_agrees_gets_whole_trees_accepted(models, tmp_path_factory, ddtree):
-    from ddtree_runtime.tiny_engine.tokenizer import LabTokenizer
+    from ddtree_runtime.tiny_engine.tokenizer import TinyTokenizer
 
     ddtree.stop()  # one real server at a time
-    word = LabTokenizer().token_id(" cat")
+    word = TinyTokenizer().token_id(" cat")
     from tests.sglang._agreeing_pair import write_agreeing_pair
 
     root = tmp_path_factory.mktemp("agree")

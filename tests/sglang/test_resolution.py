@@ -104,14 +104,14 @@ def test_bad_topk_cap_is_rejected_by_sglangs_parser(sglang_plugins, pair, capsys
 
 
 def test_num_draft_tokens_conflicts_with_the_budget(sglang_plugins, pair):
-    from ddtree_runtime.sglang_plugin.gates import DDTreeConfigError
+    from ddtree_runtime.sglang_plugin.refusals.resolution import DDTreeConfigError
 
     with pytest.raises(DDTreeConfigError, match="drop --speculative-num-draft-tokens"):
         resolve(ddtree_argv(*pair, "--speculative-num-draft-tokens", "16"))
 
 
 def test_cpu_device_is_refused_through_dflash(sglang_plugins, pair):
-    from ddtree_runtime.sglang_plugin.gates import DDTreeConfigError
+    from ddtree_runtime.sglang_plugin.refusals.resolution import DDTreeConfigError
 
     argv = ddtree_argv(*pair)
     argv[argv.index("cuda")] = "cpu"

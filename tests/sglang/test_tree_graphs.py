@@ -104,7 +104,7 @@ def _gdn_backend(record):
 
 
 def test_the_gdn_backend_is_in_tree_mode_from_construction(publish_ddtree):
-    from ddtree_runtime.sglang_plugin.worker_checks import check_tree_graphs
+    from ddtree_runtime.sglang_plugin.refusals.worker_start import check_tree_graphs
 
     backend = _gdn_backend(publish_ddtree(*TREE))
     # Read by the capture (_capture_metadata: tree kernels + link buffers) and every replay.
@@ -113,7 +113,7 @@ def test_the_gdn_backend_is_in_tree_mode_from_construction(publish_ddtree):
 
 
 def test_the_chain_case_keeps_the_gdn_chain_kernels_and_a_tree_on_them_is_refused(publish_ddtree):
-    from ddtree_runtime.sglang_plugin.worker_checks import TreeGraphsNotCaptured, check_tree_graphs
+    from ddtree_runtime.sglang_plugin.refusals.worker_start import TreeGraphsNotCaptured, check_tree_graphs
 
     backend = _gdn_backend(publish_ddtree(*CHAIN))
     assert backend.topk <= 1

@@ -45,7 +45,7 @@ def test_worker_start_fails_on_a_width_mismatch_before_touching_the_gpu(sglang_p
 
 def test_worker_refuses_to_start_without_resolved_ddtree_settings(sglang_plugins, pair):
     from ddtree_runtime.sglang_plugin.ddtree_worker import DDTreeWorker
-    from ddtree_runtime.sglang_plugin.gates import DDTreeConfigError
+    from ddtree_runtime.sglang_plugin.refusals.resolution import DDTreeConfigError
 
     argv = ddtree_argv(*pair)
     argv[argv.index("DDTREE")] = "DFLASH"
@@ -134,7 +134,7 @@ def test_guard_ignores_forwards_that_feed_no_drafter(sglang_plugins, pair):
 
 
 def test_tree_configurations_pass_the_start_check_and_chains_always_do(sglang_plugins, pair):
-    from ddtree_runtime.sglang_plugin.worker_checks import check_tree_decode_support, is_chain
+    from ddtree_runtime.sglang_plugin.refusals.worker_start import check_tree_decode_support, is_chain
 
     tree, tree_cfg = resolve(ddtree_argv(*pair, "--speculative-ddtree-budget", "24"))
     assert not is_chain(tree._ddtree_resolved)
@@ -148,7 +148,7 @@ def test_tree_configurations_pass_the_start_check_and_chains_always_do(sglang_pl
 
 def test_tree_configurations_the_round_cannot_serve_are_refused_with_the_reason(sglang_plugins, pair):
     from ddtree_runtime.sglang_plugin.ddtree_worker import DDTreeWorker
-    from ddtree_runtime.sglang_plugin.worker_checks import TreeDecodeNotAvailable
+    from ddtree_runtime.sglang_plugin.refusals.worker_start import TreeDecodeNotAvailable
 
     record, _ = resolve(
         ddtree_argv(*pair, "--speculative-ddtree-budget", "24", "--speculative-draft-window-size", "64")
@@ -161,7 +161,10 @@ def test_tree_configurations_the_round_cannot_serve_are_refused_with_the_reason(
 
 
 def test_worker_features_a_tree_cannot_use_are_refused(sglang_plugins, pair):
-    from ddtree_runtime.sglang_plugin.worker_checks import TreeDecodeNotAvailable, check_tree_worker_features
+    from ddtree_runtime.sglang_plugin.refusals.worker_start import (
+        TreeDecodeNotAvailable,
+        check_tree_worker_features,
+    )
 
     record, _ = resolve(ddtree_argv(*pair, "--speculative-ddtree-budget", "24"))
     settings = record._ddtree_resolved

@@ -1,4 +1,4 @@
-"""`ddtree canary compare` against real lab-engine servers on loopback (`ddtree lab serve`).
+"""`ddtree canary compare` against real lab-engine servers on loopback (`ddtree tiny-engine serve`).
 
 Four servers on a pair made to agree (`tests/sglang/_agreeing_pair.py`: the target always continues
 with one word, the drafter proposes it at every depth), so every figure the checks compare is known
@@ -22,7 +22,7 @@ import pytest
 from ddtree_runtime.health import canary
 from ddtree_runtime.health.canary import Answer, CanaryInputError, Side, SideUnavailable, Thresholds
 from tests.sglang._agreeing_pair import write_agreeing_pair
-from tests.unit._lab import LabServerProcess, free_port, lab_models
+from tests.unit._tiny_engine import TinyServerProcess, free_port, lab_models
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 LIVE_BUDGET, SHADOW_BUDGET = 16, 12
@@ -41,9 +41,9 @@ def accept_length(new_tokens: int, budget: int) -> float:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory) -> Iterator[dict[str, str]]:
-    from ddtree_runtime.tiny_engine.tokenizer import LabTokenizer
+    from ddtree_runtime.tiny_engine.tokenizer import TinyTokenizer
 
-    words = LabTokenizer().token_id(" cat"), LabTokenizer().token_id(" dog")
+    words = TinyTokenizer().token_id(" cat"), TinyTokenizer().token_id(" dog")
     root = tmp_path_factory.mktemp("pairs")
     target, draft = write_agreeing_pair(lab_models(), root / "cat", words[0])
     changed, changed_draft = write_agreeing_pair(lab_models(), root / "dog", words[1])
@@ -60,7 +60,7 @@ def servers(tmp_path_factory) -> Iterator[dict[str, str]]:
     procs = {}
     for name, (model, algo, *flags) in spec.items():
         argv = ["--model-path", model, "--speculative-algorithm", algo, "--device", "cpu", *flags]
-        procs[name] = LabServerProcess(argv, tmp=logs)
+        procs[name] = TinyServerProcess(argv, tmp=logs)
     try:
         for proc in procs.values():
             proc.wait_ready(timeout=300)

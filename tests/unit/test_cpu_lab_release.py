@@ -19,7 +19,8 @@ BUILD = REPO / "roles/ddtree_runtime/files/build_release.py"
 LAYER = REPO / "scripts/lab/sglang-cpu-lab"
 # The GPU lab's layer (scripts/lab/sglang-gpu-lab/) is lab-only too: only scripts/lab/gpu/device.sh
 # installs it.
-MARKERS = ("ddtree_sglang_cpu_lab", "ddtree_sglang_gpu_lab", "sgl_kernel", ".pth")
+MARKERS = ("ddtree_sglang_cpu_lab", "ddtree_sglang_gpu_lab", "ddtree_sglang_lab_base", "sgl_kernel", ".pth")
+BASE = REPO / "scripts/lab/sglang-lab-base"
 
 
 def build(out: Path, *extra: str) -> dict:
@@ -42,17 +43,19 @@ def test_a_production_release_holds_none_of_the_layer_and_a_lab_one_is_another_r
     assert any(f.startswith("ddtree_runtime/sglang_plugin/") for f in files)
     assert [f for f in files if any(m in f for m in MARKERS)] == []
 
-    lab = build(tmp_path / "lab", f"--extra-project={LAYER}")
-    (layer,) = lab["extra_wheels"]
+    # As the role builds a lab CPU host's release: the layers' base, then the layer.
+    lab = build(tmp_path / "lab", f"--extra-project={BASE}", f"--extra-project={LAYER}")
+    base, layer = lab["extra_wheels"]
     assert "ddtree_sglang_cpu_lab.pth" in names(layer["wheel"])
-    # The boot runs the lab layers' base (ddtree_sglang_cpu_lab/base/): a wheel without it cannot start.
-    assert "ddtree_sglang_cpu_lab/base/layer.py" in names(layer["wheel"])
+    # The boot runs the layers' base, its own wheel in the same release: without it the layer cannot start.
+    assert "ddtree_sglang_lab_base/layer.py" in names(base["wheel"])
+    assert not any(n.startswith("ddtree_sglang_lab_base/") for n in names(layer["wheel"]))
     assert lab["wheel_sha256"] == production["wheel_sha256"]  # the same ddtree-runtime wheel ...
     assert lab["release_id"] != production["release_id"]  # ... in a release named apart
 
 
 def test_ddtree_runtime_and_the_roles_never_refer_to_the_lab_layers():
-    layers = ("ddtree_sglang_cpu_lab", "ddtree_sglang_gpu_lab")
+    layers = ("ddtree_sglang_cpu_lab", "ddtree_sglang_gpu_lab", "ddtree_sglang_lab_base")
     hits = [str(p.relative_to(REPO)) for p in (REPO / "ddtree_runtime").rglob("*.py")
             if any(layer in p.read_text() for layer in layers)]  # fmt: skip
     assert hits == []

@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ddtree_runtime.health import metrics
-from tests.unit._lab import free_port
+from tests.unit._tiny_engine import free_port
 
 GOOD_PROBE = {"probe": "live", "ok": True, "cause": None, "time": 1.7e9,
               "figures": {"probe_seconds": 2.0, "accept_length": 3.5},

@@ -1,4 +1,4 @@
-"""The two lab layers share one base (``ddtree_sglang_cpu_lab.base``): these fail when they drift apart
+"""The two lab layers share one base (``ddtree_sglang_lab_base``): these fail when they drift apart
 again (issue 32: each had grown its own copy of the seam, boot, fault and stand-in machinery, and the
 real-server process harness was written twice).
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-BASE = ROOT / "scripts/lab/sglang-cpu-lab/ddtree_sglang_cpu_lab/base"
+BASE = ROOT / "scripts/lab/sglang-lab-base/ddtree_sglang_lab_base"
 LAYERS = {
     "ddtree_sglang_cpu_lab": ROOT / "scripts/lab/sglang-cpu-lab/ddtree_sglang_cpu_lab",
     "ddtree_sglang_gpu_lab": ROOT / "scripts/lab/sglang-gpu-lab/ddtree_sglang_gpu_lab",
@@ -47,6 +47,20 @@ def _rel(path: Path) -> str:
     return f"{path.parent.name}/{path.name}"
 
 
+def test_the_base_is_a_distribution_of_its_own():
+    """Its own project beside the layers (issue 42: it lived inside the CPU layer's package), built into
+    no layer's wheel."""
+    import tomllib
+
+    def packages(project: Path) -> list[str]:
+        return tomllib.loads((project / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+
+    assert packages(BASE.parent) == [BASE.name]
+    for layer in LAYERS.values():
+        assert not any(p == BASE.name or p.endswith(".base") for p in packages(layer.parent)), layer.parent
+        assert not (layer / "base").exists(), f"{_rel(layer)}/base: the base lives in {BASE.parent.name}/"
+
+
 def test_the_base_is_where_the_shared_machinery_is_defined():
     defined = {n.name for p in BASE.glob("*.py") for n in ast.walk(_tree(p))
                if isinstance(n, ast.FunctionDef | ast.ClassDef)}  # top level and methods (Seams.require)
@@ -58,7 +72,7 @@ def test_no_layer_module_defines_its_own_copy_of_the_base(path):
     tree = _tree(path)
     copies = [n.name for n in tree.body
               if isinstance(n, ast.FunctionDef | ast.ClassDef) and n.name in SHARED | ALIASES]  # fmt: skip
-    assert copies == [], f"{_rel(path)} defines {copies}: use ddtree_sglang_cpu_lab.base's"
+    assert copies == [], f"{_rel(path)} defines {copies}: use ddtree_sglang_lab_base's"
     methods = [f"{c.name}.{f.name}" for c in tree.body if isinstance(c, ast.ClassDef) for f in c.body
                if isinstance(f, ast.FunctionDef) and f.name in HARNESS_METHODS]  # fmt: skip
     assert methods == [], f"{_rel(path)} defines {methods}: the server harness is base.server's"
@@ -66,6 +80,29 @@ def test_no_layer_module_defines_its_own_copy_of_the_base(path):
         text = path.read_text()
         assert "sys.meta_path" not in text, f"{_rel(path)}: import hooks go through base.hooks/base.standin"
     assert "lease_ports" not in path.read_text(), f"{_rel(path)}: ports are leased by base.server"
+
+
+def _hooked_modules_of_ours() -> list[tuple[str, str]]:
+    """(layer module, target) for each ``after_import("ddtree_runtime...", ...)`` and each module-level
+    string naming a module of ours that a layer hooks by name."""
+    found = []
+    for path in _layer_modules():
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                    and node.value.startswith("ddtree_runtime.") and " " not in node.value:
+                found.append((_rel(path), node.value))
+    return found
+
+
+def test_every_module_of_ours_a_layer_hooks_exists():
+    """A layer patches the plugin by module name when it is imported: a renamed module would leave the
+    patch silently unapplied (the CPU layer's torch_native tree verify, its verify faults)."""
+    hooked = _hooked_modules_of_ours()
+    assert any(target.endswith(".refusals.resolution") for _, target in hooked)  # the rule sees them
+    missing = [(where, target) for where, target in hooked
+               if not (ROOT / (target.replace(".", "/") + ".py")).is_file()
+               and not (ROOT / target.replace(".", "/") / "__init__.py").is_file()]  # fmt: skip
+    assert missing == [], f"layers hook modules that do not exist: {missing}"
 
 
 @pytest.mark.parametrize("package", sorted(LAYERS))
@@ -88,8 +125,8 @@ def test_each_layer_boots_and_installs_through_the_base(package):
                                                ("ddtree_sglang_gpu_lab", "file")])  # fmt: skip
 def test_each_installed_layer_binds_the_bases_mechanism(package, read):
     pytest.importorskip(package)
-    from ddtree_sglang_cpu_lab import base
-    from ddtree_sglang_cpu_lab.base import layer, seams, standin
+    import ddtree_sglang_lab_base as base
+    from ddtree_sglang_lab_base import layer, seams, standin
 
     mod = lambda name: importlib.import_module(f"{package}.{name}")  # noqa: E731
     registry = mod("seams").require.__self__
@@ -105,8 +142,8 @@ def test_each_installed_layer_binds_the_bases_mechanism(package, read):
 def test_both_real_server_harnesses_are_the_bases():
     pytest.importorskip("ddtree_sglang_gpu_lab")
     pytest.importorskip("yaml")
-    from ddtree_sglang_cpu_lab.base.server import ServerProcess
     from ddtree_sglang_gpu_lab.server import GpuServer
+    from ddtree_sglang_lab_base.server import ServerProcess
 
     from tests.sglang._real_server import RealServer
 

@@ -1,4 +1,4 @@
-"""The one real-server process harness (``ddtree_sglang_cpu_lab.base.server.ServerProcess``, behind the CPU
+"""The one real-server process harness (``ddtree_sglang_lab_base.server.ServerProcess``, behind the CPU
 suites' ``RealServer`` and the GPU lab's ``GpuServer``), against a stand-in ``sglang.launch_server``: a
 few lines that print SGLang's ready line and answer HTTP, put first on the child's path. Ready, a start
 that fails (the log's tail in the error), one that never gets ready, a stop that ends the launcher's
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-server = pytest.importorskip("ddtree_sglang_cpu_lab.base.server")
+server = pytest.importorskip("ddtree_sglang_lab_base.server")
 psutil = pytest.importorskip("psutil")
 
 from ddtree_runtime.tiny_engine.ports import lease_ports  # noqa: E402

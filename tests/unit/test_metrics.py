@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ddtree_runtime.health import metrics
 from ddtree_runtime.health.probe_live import live_probe
 from ddtree_runtime.health.probe_report import write_report
-from tests.unit._lab import free_port
+from tests.unit._tiny_engine import free_port
 from tests.unit.fake_sglang import FakeSGLang, Scenario
 
 

@@ -1,4 +1,4 @@
-"""Live and static probes against the real lab engine (`ddtree lab serve`, SGLang's HTTP surface).
+"""Live and static probes against the real lab engine (`ddtree tiny-engine serve`, SGLang's HTTP surface).
 
 The lab faults reproduce the field failures; each must end in the probe's documented exit code
 and a named cause (from the report, or from the server's log through diagnose.scan).
@@ -19,7 +19,7 @@ from ddtree_runtime.health import diagnose
 from ddtree_runtime.health.probe_live import live_probe
 from ddtree_runtime.health.probe_report import EXIT_FAILED, EXIT_NOT_READY, EXIT_PASS
 from ddtree_runtime.health.probe_static import static_probe
-from tests.unit._lab import LabServerProcess, contrary_drafter, lab_models
+from tests.unit._tiny_engine import TinyServerProcess, contrary_drafter, lab_models
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +34,8 @@ def _serve_args(models: Path, *extra: str, draft: str = "draft") -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def ddtree_server(models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServerProcess]:
-    srv = LabServerProcess(_serve_args(models), tmp=tmp_path_factory.mktemp("serve"))
+def ddtree_server(models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TinyServerProcess]:
+    srv = TinyServerProcess(_serve_args(models), tmp=tmp_path_factory.mktemp("serve"))
     try:
         yield srv
     finally:
@@ -47,7 +47,7 @@ def _probe_cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-def test_healthy_ddtree_server_passes(ddtree_server: LabServerProcess, tmp_path: Path):
+def test_healthy_ddtree_server_passes(ddtree_server: TinyServerProcess, tmp_path: Path):
     out = tmp_path / "probe" / "sglang-qwen.json"
     res = _probe_cli("live", "--url", ddtree_server.url, "--timeout", "120", "--min-accept-length", "1.5",
                      "--expect", "speculative_ddtree_budget=16", "--json", "--write-report", str(out))
@@ -69,7 +69,7 @@ def test_healthy_ddtree_server_passes(ddtree_server: LabServerProcess, tmp_path:
 def test_a_verify_that_is_not_lossless_fails_though_fluent_and_accepting(models: Path, tmp_path: Path):
     """relaxed_accept: the walk also takes drafted tokens the target ranks second or third. The answers
     read as well and the acceptance length clears the deploy's minimum; only the lossless check sees it."""
-    srv = LabServerProcess(_serve_args(models), env={"DDTREE_LAB_FAULT": "relaxed_accept"}, tmp=tmp_path)
+    srv = TinyServerProcess(_serve_args(models), env={"DDTREE_LAB_FAULT": "relaxed_accept"}, tmp=tmp_path)
     try:
         report = live_probe(srv.url, timeout=120, poll_s=0.2, min_accept_length=1.5)
         res = _probe_cli("live", "--url", srv.url, "--timeout", "60")
@@ -91,7 +91,7 @@ def test_a_verify_that_is_not_lossless_fails_though_fluent_and_accepting(models:
 def test_a_drafter_that_never_agrees_still_passes_the_lossless_check(models: Path, tmp_path: Path):
     """Acceptance 1: every token is the verify's bonus (the root row's choice); still the target's own."""
     draft = contrary_drafter(models, tmp_path / "contrary")
-    srv = LabServerProcess(_serve_args(models, draft=str(draft)), tmp=tmp_path)
+    srv = TinyServerProcess(_serve_args(models, draft=str(draft)), tmp=tmp_path)
     try:
         report = live_probe(srv.url, timeout=120, poll_s=0.2)
     finally:
@@ -102,7 +102,7 @@ def test_a_drafter_that_never_agrees_still_passes_the_lossless_check(models: Pat
     assert (checked["status"], checked["tokens_checked"], checked["mismatches"]) == ("passed", 192, 0)
 
 
-def test_greedy_answers_repeat_exactly(ddtree_server: LabServerProcess):
+def test_greedy_answers_repeat_exactly(ddtree_server: TinyServerProcess):
     first = live_probe(ddtree_server.url, timeout=120, poll_s=0.2)
     second = live_probe(ddtree_server.url, timeout=120, poll_s=0.2)
     assert first.ok and second.ok
@@ -110,7 +110,7 @@ def test_greedy_answers_repeat_exactly(ddtree_server: LabServerProcess):
     assert ids[0] == ids[1]  # T=0: the canary compares these token for token
 
 
-def test_thresholds_and_expected_flags_fail_with_exit_1(ddtree_server: LabServerProcess):
+def test_thresholds_and_expected_flags_fail_with_exit_1(ddtree_server: TinyServerProcess):
     res = _probe_cli("live", "--url", ddtree_server.url, "--min-accept-length", "40")
     assert res.returncode == EXIT_FAILED and "FAIL [acceptance_low]" in res.stdout
     report = live_probe(ddtree_server.url, timeout=60, expect={"speculative_ddtree_budget": "8"})
@@ -118,7 +118,7 @@ def test_thresholds_and_expected_flags_fail_with_exit_1(ddtree_server: LabServer
 
 
 def test_server_without_speculation_fails_the_flags_check(models: Path, tmp_path: Path):
-    srv = LabServerProcess(["--model-path", str(models / "target"), "--device", "cpu"], tmp=tmp_path)
+    srv = TinyServerProcess(["--model-path", str(models / "target"), "--device", "cpu"], tmp=tmp_path)
     try:
         report = live_probe(srv.url, timeout=120, poll_s=0.2)
     finally:
@@ -132,7 +132,7 @@ def test_server_without_speculation_fails_the_flags_check(models: Path, tmp_path
     ("hidden_none", "hidden_states_missing"),
 ])
 def test_hidden_state_faults_are_named(models: Path, tmp_path: Path, fault: str, cause: str):
-    srv = LabServerProcess(_serve_args(models), env={"DDTREE_LAB_FAULT": fault}, tmp=tmp_path)
+    srv = TinyServerProcess(_serve_args(models), env={"DDTREE_LAB_FAULT": fault}, tmp=tmp_path)
     rc = srv.wait_exit(120)  # warm-up runs a real generation: the fault strikes during start-up
     assert rc == -9  # SGLang's way: the server SIGKILLs itself
     report = live_probe(srv.url, timeout=1, poll_s=0.2)
@@ -143,7 +143,7 @@ def test_hidden_state_faults_are_named(models: Path, tmp_path: Path, fault: str,
 
 def test_slow_start_is_not_ready_in_time(models: Path, tmp_path: Path):
     env = {"DDTREE_LAB_FAULT": "slow_start", "DDTREE_LAB_START_DELAY_S": "30"}
-    srv = LabServerProcess(_serve_args(models), env=env, tmp=tmp_path)
+    srv = TinyServerProcess(_serve_args(models), env=env, tmp=tmp_path)
     try:
         report = live_probe(srv.url, timeout=2, poll_s=0.2)
     finally:
@@ -152,7 +152,7 @@ def test_slow_start_is_not_ready_in_time(models: Path, tmp_path: Path):
 
 
 def test_memory_fraction_too_small_never_listens(models: Path, tmp_path: Path):
-    srv = LabServerProcess(_serve_args(models, "--mem-fraction-static", "0.01", "--context-length", "4096"),
+    srv = TinyServerProcess(_serve_args(models, "--mem-fraction-static", "0.01", "--context-length", "4096"),
                            tmp=tmp_path)
     rc = srv.wait_exit(60)
     report = live_probe(srv.url, timeout=1, poll_s=0.2)

@@ -22,8 +22,8 @@ import yaml
 
 from ddtree_runtime.ops import canary_traffic
 from tests.unit._ansible import PLAYBOOKS, REPO, tool_env
-from tests.unit._lab import LabServerProcess, free_port, http, lab_models
 from tests.unit._router_metrics import ROUTER_METRICS
+from tests.unit._tiny_engine import TinyServerProcess, free_port, http, lab_models
 
 # `make venv` puts the router in a venv of its own, as the role does on a router host.
 SMG = Path(sys.executable).parent.parent / "router" / "bin" / "smg"
@@ -116,7 +116,7 @@ def fleet(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rotation")
     models = lab_models()
     servers = {
-        name: LabServerProcess(_lab_args(models, address), tmp=tmp)
+        name: TinyServerProcess(_lab_args(models, address), tmp=tmp)
         for name, address in (("w1", "127.0.0.1"), ("w2", "127.0.0.2"))
     }
     addresses = {"w1": "127.0.0.1", "w2": "127.0.0.2"}

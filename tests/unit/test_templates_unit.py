@@ -207,4 +207,4 @@ def test_lab_can_drop_sandbox_directives(tmp_path):
     text = (out / "balanced" / "sglang-qwen.service").read_text()
     assert "DevicePolicy" not in text and "DeviceAllow" not in text and "ProtectClock" not in text
     assert "ProtectSystem=strict" in text
-    assert exec_args(text)[:3] == ["/opt/ddtree/releases/x/bin/ddtree", "lab", "serve"]
+    assert exec_args(text)[:3] == ["/opt/ddtree/releases/x/bin/ddtree", "tiny-engine", "serve"]

@@ -35,9 +35,9 @@ echo "{\"case\": \"setup\", \"seconds\": $(( $(date +%s) - t0 ))}" | tee -a "$OU
 
 export PATH="$LAB/venv/bin:$PATH"
 export DDTREE_REPO=$REPO
-# This checkout's code first (the installed wheels bring the entry points and the .pth boot hooks). The
-# CPU layer's folder holds ddtree_sglang_cpu_lab.base, which the GPU layer imports (inert otherwise).
-export PYTHONPATH=$REPO:$REPO/scripts/lab/sglang-gpu-lab:$REPO/scripts/lab/sglang-cpu-lab${PYTHONPATH:+:$PYTHONPATH}
+# This checkout's code first (the installed wheels bring the entry points and the .pth boot hooks): the
+# GPU layer, the lab layers' base it runs on (ddtree_sglang_lab_base) and the CPU layer (inert here).
+export PYTHONPATH=$REPO:$REPO/scripts/lab/sglang-gpu-lab:$REPO/scripts/lab/sglang-lab-base:$REPO/scripts/lab/sglang-cpu-lab${PYTHONPATH:+:$PYTHONPATH}
 export SGLANG_JIT_CACHE_DIR=$LAB/cache/sglang-jit TRITON_CACHE_DIR=$LAB/cache/triton
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 if [ -d "$PACK/baseline" ]; then export DDTREE_GPU_LAB_BASELINE=$PACK/baseline; fi

@@ -9,8 +9,8 @@ What goes in (the device has torch 2.11, Triton 3.6, Python 3.12 and nvcc, no ne
 - sglang-py.tar.xz: SGLang 0.5.23's Python files as the pinned wheel installed them in this venv (with
   its dist-info), without compiled extensions, caches, tests, benchmarks or multimodal generation;
 - wheels/: the py3.12 wheels the device lacks (scripts/lab/sglang-gpu-lab/device-wheels.txt, fetched
-  once into .gpulab/cache/), this checkout's ddtree-runtime, and the CPU and GPU lab layers (the CPU
-  layer's wheel holds ddtree_sglang_cpu_lab.base, the machinery the GPU layer runs on);
+  once into .gpulab/cache/), this checkout's ddtree-runtime, the lab layers' base
+  (ddtree-sglang-lab-base, the machinery the GPU layer runs on) and the CPU and GPU lab layers;
 - models.tar.xz: the lab's dense and hybrid pairs (`ddtree lab make-models`, made once, deterministic);
 - baseline/ddtree_runtime: with --baseline REF, the plugin as of REF (the device puts it first on
   PYTHONPATH for the `-baseline` servers of a case);
@@ -34,7 +34,11 @@ REPO = Path(__file__).resolve().parents[3]
 OUT = REPO / ".gpulab"
 CACHE = REPO / ".gpulab-cache"  # downloads, models, builds: reused, never carried
 WHEEL_LIST = REPO / "scripts/lab/sglang-gpu-lab/device-wheels.txt"
-LAYERS = (REPO / "scripts/lab/sglang-cpu-lab", REPO / "scripts/lab/sglang-gpu-lab")
+LAYERS = (
+    REPO / "scripts/lab/sglang-lab-base",
+    REPO / "scripts/lab/sglang-cpu-lab",
+    REPO / "scripts/lab/sglang-gpu-lab",
+)
 PLATFORMS = (
     "manylinux_2_28_x86_64",
     "manylinux_2_27_x86_64",

@@ -11,12 +11,12 @@ limitation it works around and the SGLang function it relies on (``seams.SEAMS``
 start when the installed SGLang is not the release those functions were read from, or when one of them
 changed (``seams.check_version``, ``seams.require``). ``docs/sglang-cpu-lab.md`` describes each piece.
 The machinery it shares with the GPU lab's layer (boot, install, seams, fault switch, ``sgl_kernel``
-stand-in, the server harness) is ``ddtree_sglang_cpu_lab.base``.
+stand-in, the server harness) is ``ddtree_sglang_lab_base``.
 """
 
 from __future__ import annotations
 
-from ddtree_sglang_cpu_lab.base import PINNED_SGLANG_VERSION
+from ddtree_sglang_lab_base import PINNED_SGLANG_VERSION
 
 ENV_FLAG = "DDTREE_SGLANG_CPU_LAB"
 DISTRIBUTION = "ddtree-sglang-cpu-lab"

@@ -4,7 +4,8 @@ switch) ends the interpreter with the reason: a lab server must not start half p
 
 from __future__ import annotations
 
+from ddtree_sglang_lab_base.layer import boot
+
 from ddtree_sglang_cpu_lab import DISTRIBUTION, ENV_FLAG
-from ddtree_sglang_cpu_lab.base.layer import boot
 
 boot(DISTRIBUTION, ENV_FLAG, "ddtree_sglang_cpu_lab")

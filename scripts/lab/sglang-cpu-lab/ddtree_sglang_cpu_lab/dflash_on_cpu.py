@@ -22,8 +22,8 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from ddtree_sglang_lab_base.hooks import after_import
 
-from ddtree_sglang_cpu_lab.base.hooks import after_import
 from ddtree_sglang_cpu_lab.seams import require
 
 DRAFT_BACKEND = "torch_native"

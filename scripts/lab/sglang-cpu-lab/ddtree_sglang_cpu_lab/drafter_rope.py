@@ -12,7 +12,8 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from ddtree_sglang_cpu_lab.base.hooks import after_import
+from ddtree_sglang_lab_base.hooks import after_import
+
 from ddtree_sglang_cpu_lab.seams import require
 
 

@@ -30,9 +30,10 @@ import dataclasses
 from types import ModuleType
 from typing import Any
 
-from ddtree_sglang_cpu_lab.base import layer
-from ddtree_sglang_cpu_lab.base.hooks import after_import
-from ddtree_sglang_cpu_lab.base.layer import FAULT_ENV, UnknownFault
+from ddtree_sglang_lab_base import layer
+from ddtree_sglang_lab_base.hooks import after_import
+from ddtree_sglang_lab_base.layer import FAULT_ENV, UnknownFault
+
 from ddtree_sglang_cpu_lab.seams import require
 
 VERIFY_FAULTS = ("relaxed_accept", "verify_causal_mask")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ddtree_sglang_cpu_lab.base.layer import Refused, install_layer
+from ddtree_sglang_lab_base.layer import Refused, install_layer
 
 PIECES = (
     "torchvision_ops",

@@ -11,8 +11,9 @@ installed wheel.
 
 from __future__ import annotations
 
+from ddtree_sglang_lab_base.seams import Seam, SeamMoved, Seams, object_digest, resolve
+
 from ddtree_sglang_cpu_lab import DISTRIBUTION
-from ddtree_sglang_cpu_lab.base.seams import Seam, SeamMoved, Seams, object_digest, resolve
 
 SEAMS: tuple[Seam, ...] = (
     Seam("sglang.kernels.ops.kvcache.cache_move", "copy_all_layer_kv_cache_func", "d9fbb4b3a29b2b9d",

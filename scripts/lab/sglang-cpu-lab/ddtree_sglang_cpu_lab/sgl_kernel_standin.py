@@ -18,9 +18,10 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
+from ddtree_sglang_lab_base.standin import MissingOp as MissingOp  # raised by the ops
+from ddtree_sglang_lab_base.standin import StandinPackage
+
 from ddtree_sglang_cpu_lab import seams
-from ddtree_sglang_cpu_lab.base.standin import MissingOp as MissingOp  # raised by the ops
-from ddtree_sglang_cpu_lab.base.standin import StandinPackage
 
 NAME = "sgl_kernel"
 VERSION = "0.0.0+ddtree-cpu-lab-standin"

@@ -18,8 +18,8 @@ read from the KV pool, and to the ``n`` new rows (their K/V as computed, also wr
   own; non-causal layers (the DFlash drafter, ENCODER_ONLY) see everything.
 
 Every other forward mode runs SGLang's own code. Since the backend now applies the tree mask, the
-DDTREE plugin's start-up gate (``gates.TREE_MASK_ATTENTION_BACKENDS``, which refuses backends that
-would let tree siblings see each other) is told so in the processes where this is installed.
+DDTREE plugin's start-up refusal (``refusals.resolution.TREE_MASK_ATTENTION_BACKENDS``, which refuses
+backends that would let tree siblings see each other) is told so in the processes where this is installed.
 
 This decides what attention computes, so ``tests/sglang/test_cpu_lab_verify_attention.py`` checks it
 against plain causal attention (chains) and against each tree node's root-to-node path run as a plain
@@ -32,10 +32,10 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from ddtree_sglang_lab_base.hooks import after_import
 from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention
 
-from ddtree_sglang_cpu_lab.base.hooks import after_import
 from ddtree_sglang_cpu_lab.seams import require
 
 
@@ -154,11 +154,11 @@ def _patch_backend(module: ModuleType) -> None:
     backend_cls.forward_extend = forward_extend
 
 
-def _allow_tree_verify(gates: ModuleType) -> None:
-    if "torch_native" not in gates.TREE_MASK_ATTENTION_BACKENDS:
-        gates.TREE_MASK_ATTENTION_BACKENDS = (*gates.TREE_MASK_ATTENTION_BACKENDS, "torch_native")
+def _allow_tree_verify(refusals: ModuleType) -> None:
+    if "torch_native" not in refusals.TREE_MASK_ATTENTION_BACKENDS:
+        refusals.TREE_MASK_ATTENTION_BACKENDS = (*refusals.TREE_MASK_ATTENTION_BACKENDS, "torch_native")
 
 
 def install() -> None:
     after_import("sglang.srt.layers.attention.torch_native_backend", _patch_backend)
-    after_import("ddtree_runtime.sglang_plugin.gates", _allow_tree_verify)
+    after_import("ddtree_runtime.sglang_plugin.refusals.resolution", _allow_tree_verify)

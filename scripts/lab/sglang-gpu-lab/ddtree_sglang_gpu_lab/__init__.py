@@ -14,13 +14,13 @@ Never on a production host: it is its own distribution (``ddtree-sglang-gpu-lab`
 SGLang process; it refuses to start on another SGLang release or when a seam it relies on moved
 (``seams.py``; ``tests/sglang/test_gpu_lab_layer.py`` checks them on CPU). ``docs/sglang-gpu-lab.md``
 describes each piece. The machinery it shares with the CPU layer (boot, install, seams, fault switch,
-``sgl_kernel`` stand-in, the server harness) is ``ddtree_sglang_cpu_lab.base``, shipped in the CPU
-layer's distribution, which the GPU lab installs beside this one.
+``sgl_kernel`` stand-in, the server harness) is ``ddtree_sglang_lab_base``, a distribution of its own
+(``scripts/lab/sglang-lab-base/``), which the GPU lab installs beside this one.
 """
 
 from __future__ import annotations
 
-from ddtree_sglang_cpu_lab.base import PINNED_SGLANG_VERSION
+from ddtree_sglang_lab_base import PINNED_SGLANG_VERSION
 
 ENV_FLAG = "DDTREE_SGLANG_GPU_LAB"
 DISTRIBUTION = "ddtree-sglang-gpu-lab"

@@ -4,7 +4,7 @@ interpreter with the reason: a lab server must not start half patched."""
 
 from __future__ import annotations
 
-from ddtree_sglang_cpu_lab.base.layer import boot
+from ddtree_sglang_lab_base.layer import boot
 
 from ddtree_sglang_gpu_lab import DISTRIBUTION, ENV_FLAG
 

@@ -79,7 +79,7 @@ def install() -> bool:
         return True
     if importlib.util.find_spec("cutlass") is not None:
         return False
-    from ddtree_sglang_cpu_lab.base.hooks import after_import
+    from ddtree_sglang_lab_base.hooks import after_import
 
     sys.meta_path.insert(0, _Finder())  # before the path finder that would load the real file
     after_import("sglang.srt.layers.dual_gemm", _check_caller)

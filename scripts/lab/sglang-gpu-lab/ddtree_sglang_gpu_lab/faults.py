@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from ddtree_sglang_cpu_lab.base import layer
-from ddtree_sglang_cpu_lab.base.hooks import after_import
-from ddtree_sglang_cpu_lab.base.layer import FAULT_ENV, UnknownFault
+from ddtree_sglang_lab_base import layer
+from ddtree_sglang_lab_base.hooks import after_import
+from ddtree_sglang_lab_base.layer import FAULT_ENV, UnknownFault
 
 ENV = FAULT_ENV
 FAULTS = ("chain_verify_graph",)

@@ -28,6 +28,6 @@ def _take_fallback(module: ModuleType) -> None:
 
 
 def install() -> None:
-    from ddtree_sglang_cpu_lab.base.hooks import after_import
+    from ddtree_sglang_lab_base.hooks import after_import
 
     after_import(MODULE, _take_fallback)

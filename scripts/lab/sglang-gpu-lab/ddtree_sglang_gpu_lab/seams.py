@@ -1,6 +1,6 @@
 """The SGLang code each GPU-lab work-around relies on, pinned by content.
 
-The mechanism is the CPU layer's (``ddtree_sglang_cpu_lab.base.seams``, the base both layers share):
+The mechanism is the CPU layer's (``ddtree_sglang_lab_base.seams``, the base both layers share):
 each seam records a source digest taken when the work-around was written, and a work-around refuses to
 patch a moved seam. Digests are read from the module's file (``ast``), not from an imported object:
 several of these modules refuse to import without CUDA (``weak_ref_tensor.py`` raises on a CPU), and
@@ -9,7 +9,7 @@ several of these modules refuse to import without CUDA (``weak_ref_tensor.py`` r
 
 from __future__ import annotations
 
-from ddtree_sglang_cpu_lab.base.seams import Seam, SeamMoved, Seams, file_digest
+from ddtree_sglang_lab_base.seams import Seam, SeamMoved, Seams, file_digest
 
 from ddtree_sglang_gpu_lab import DISTRIBUTION
 

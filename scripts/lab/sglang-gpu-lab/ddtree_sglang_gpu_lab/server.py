@@ -5,7 +5,7 @@ renders them: ``true`` a bare flag, ``false``/null left out), then the GPU lab's
 then the case's. CUDA graphs stay on (SGLang's default) and the attention backend is Triton, the one
 DDTREE allows for trees. Several servers share the one GPU, each on its own ports; each is stopped by
 its PID and its children's PIDs. The process harness (leased ports, readiness, stop by PID, HTTP) is the
-lab base's (``ddtree_sglang_cpu_lab.base.server``), the one the CPU suites use too.
+lab base's (``ddtree_sglang_lab_base.server``), the one the CPU suites use too.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ddtree_sglang_cpu_lab.base.server import (
+from ddtree_sglang_lab_base.server import (
     READY_LINE,
     SPECULATIVE_ONLY_FLAGS,
     ServerFailed,
@@ -27,7 +27,7 @@ from ddtree_sglang_cpu_lab.base.server import (
 HYBRID_ONLY_FLAGS = ("mamba-radix-cache-strategy", "mamba-ssm-dtype", "max-mamba-cache-size")
 # What the GPU lab adds after a profile's flags, and why:
 LAB_FLAGS = (
-    "--attention-backend", "triton",  # DDTREE's tree-capable backend (gates.TREE_MASK_ATTENTION_BACKENDS)
+    "--attention-backend", "triton",  # DDTREE's tree-capable backend (sglang_plugin.refusals.resolution)
     "--sampling-backend", "pytorch",  # flashinfer's samplers are not on the device
     # Tiny models: without a cap SGLang sizes the KV pool from the free memory (125 GB).
     "--max-total-tokens", "65536",

@@ -19,7 +19,7 @@ naming itself), with plain-torch versions of the ops the lab's path calls:
 
 The norms decide what the model computes, so ``tests/gpu/test_gpu_lab_layer.py`` checks them against
 SGLang's own ``forward_native`` on the GPU. Installed only when no real ``sgl_kernel`` is importable.
-The stand-in mechanism is the base's (``ddtree_sglang_cpu_lab.base.standin``), shared with the CPU
+The stand-in mechanism is the base's (``ddtree_sglang_lab_base.standin``), shared with the CPU
 layer; the ops are this layer's.
 """
 
@@ -28,8 +28,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from ddtree_sglang_cpu_lab.base.standin import MissingOp as MissingOp  # raised by the ops
-from ddtree_sglang_cpu_lab.base.standin import StandinPackage
+from ddtree_sglang_lab_base.standin import MissingOp as MissingOp  # raised by the ops
+from ddtree_sglang_lab_base.standin import StandinPackage
 
 from ddtree_sglang_gpu_lab import seams
 

@@ -79,7 +79,7 @@ def parse(log: str) -> list[dict[str, Any]]:
 def install() -> None:
     if os.environ.get(ENV) != "1":
         return
-    from ddtree_sglang_cpu_lab.base.hooks import after_import
+    from ddtree_sglang_lab_base.hooks import after_import
 
     after_import("ddtree_runtime.sglang_plugin.ddtree_worker", _wrap("DDTreeWorker", "DDTREE"))
     after_import("sglang.srt.speculative.dflash_worker_v2", _wrap("DFlashWorkerV2", "DFLASH"))

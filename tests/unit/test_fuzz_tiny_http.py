@@ -24,17 +24,17 @@ from typing import Any
 
 import pytest
 
-from tests.unit._lab import LabServerProcess, http, lab_models, one_thread
+from tests.unit._tiny_engine import TinyServerProcess, http, lab_models, one_thread
 
 CONTEXT = 4096
 PROMPT = "the cat"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[LabServerProcess]:
+def server(tmp_path_factory) -> Iterator[TinyServerProcess]:
     with one_thread():
         models = lab_models()
-    srv = LabServerProcess(
+    srv = TinyServerProcess(
         ["--model-path", str(models / "target"), "--speculative-algorithm", "DDTREE",
          "--speculative-draft-model-path", str(models / "draft"), "--device", "cpu",
          "--context-length", str(CONTEXT), "--max-running-requests", "64", "--host", "127.0.0.1"],
@@ -83,7 +83,7 @@ def _error_text(body: bytes) -> str:
     return error if isinstance(error, str) else error["message"]
 
 
-def _still_serving(srv: LabServerProcess) -> None:
+def _still_serving(srv: TinyServerProcess) -> None:
     assert srv.proc.poll() is None, srv.log[-3000:]
     status, _ = http(srv.url + "/health", timeout=10)
     assert status == 200
@@ -128,11 +128,11 @@ def _sglang_verdict(body: dict, vocab: int) -> str | None:
 
 
 @pytest.mark.parametrize("seed", range(60))
-def test_sampling_params_are_judged_as_sglang_judges_them(server: LabServerProcess, seed: int) -> None:
-    from ddtree_runtime.tiny_engine.tokenizer import LabTokenizer
+def test_sampling_params_are_judged_as_sglang_judges_them(server: TinyServerProcess, seed: int) -> None:
+    from ddtree_runtime.tiny_engine.tokenizer import TinyTokenizer
 
     body = _sampling_case(seed)
-    verdict = _sglang_verdict(body, LabTokenizer().vocab_size)
+    verdict = _sglang_verdict(body, TinyTokenizer().vocab_size)
     status, answer = exchange(server.port, post("/generate", json.dumps(body).encode()))
     shown = json.dumps(body)[:300]
     if verdict is None:
@@ -153,7 +153,7 @@ def test_sampling_params_are_judged_as_sglang_judges_them(server: LabServerProce
         _still_serving(server)
 
 
-def test_tiny_temperature_is_greedy_and_hostile_values_do_not_kill(server: LabServerProcess) -> None:
+def test_tiny_temperature_is_greedy_and_hostile_values_do_not_kill(server: TinyServerProcess) -> None:
     def gen(sp: dict) -> tuple[int, Any]:
         status, body = exchange(server.port, post("/generate", json.dumps(
             {"text": PROMPT, "sampling_params": {"max_new_tokens": 12, **sp}}).encode()))
@@ -219,7 +219,7 @@ RAW_CASES: dict[str, tuple[bytes, set[int | None]]] = {
 
 
 @pytest.mark.parametrize("name", sorted(RAW_CASES))
-def test_hostile_requests_get_an_http_answer(server: LabServerProcess, name: str) -> None:
+def test_hostile_requests_get_an_http_answer(server: TinyServerProcess, name: str) -> None:
     data, allowed = RAW_CASES[name]
     started = time.monotonic()
     status, body = exchange(server.port, data, half_close=name == "body shorter than said")
@@ -230,7 +230,7 @@ def test_hostile_requests_get_an_http_answer(server: LabServerProcess, name: str
     _still_serving(server)
 
 
-def test_no_handler_ever_crashed(server: LabServerProcess) -> None:
+def test_no_handler_ever_crashed(server: TinyServerProcess) -> None:
     """Every case above was answered by design, not by the last-resort 500."""
     assert "Exception in the HTTP handler" not in server.log and "Traceback" not in server.log
 
@@ -240,7 +240,7 @@ def test_no_handler_ever_crashed(server: LabServerProcess) -> None:
 CLIENTS = 300
 
 
-def test_a_few_hundred_clients_at_once_are_all_answered(server: LabServerProcess) -> None:
+def test_a_few_hundred_clients_at_once_are_all_answered(server: TinyServerProcess) -> None:
     barrier, results = threading.Barrier(CLIENTS), [None] * CLIENTS
     body = json.dumps({"text": PROMPT, "sampling_params": {"max_new_tokens": 1}}).encode()
 
@@ -267,7 +267,7 @@ def test_a_few_hundred_clients_at_once_are_all_answered(server: LabServerProcess
 # ---------------------------------------------------------------------------- drain (ends the server)
 
 
-def test_sigterm_drains_despite_a_client_stalled_mid_body(server: LabServerProcess) -> None:
+def test_sigterm_drains_despite_a_client_stalled_mid_body(server: TinyServerProcess) -> None:
     stalled = socket.create_connection(("127.0.0.1", server.port), timeout=30)
     stalled.sendall(b'POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n{"text": "the')
     got: dict = {}
@@ -295,9 +295,9 @@ def test_an_omitted_temperature_is_sglangs_default() -> None:
     """A request that names no temperature samples, as SGLang's SamplingParams() does."""
     sampling = pytest.importorskip("sglang.srt.sampling.sampling_params")
     from ddtree_runtime.tiny_engine.sglang_requests import sampling_params
-    from ddtree_runtime.tiny_engine.tokenizer import LabTokenizer
+    from ddtree_runtime.tiny_engine.tokenizer import TinyTokenizer
 
-    vocab = LabTokenizer().vocab_size
+    vocab = TinyTokenizer().vocab_size
     default = sampling.SamplingParams().temperature
     assert sampling_params({}, vocab)["temperature"] == default > 0
     assert sampling_params({"temperature": None}, vocab)["temperature"] == default

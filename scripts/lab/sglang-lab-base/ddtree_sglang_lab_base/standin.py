@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
-from ddtree_sglang_cpu_lab.base.hooks import after_import
+from ddtree_sglang_lab_base.hooks import after_import
 
 
 class MissingOp(NotImplementedError):

@@ -41,7 +41,7 @@ def test_derived_cp_tp_group_sharing_is_refused(sglang_plugins, pair):
     from sglang.srt.arg_groups.overrides import declare_resolution, resolving_view
     from sglang.srt.server_args import prepare_server_args
 
-    from ddtree_runtime.sglang_plugin.gates import DDTreeConfigError, check_refusals
+    from ddtree_runtime.sglang_plugin.refusals.resolution import DDTreeConfigError, check_refusals
 
     record = prepare_server_args(ddtree_argv(*pair, "--attention-backend", "triton"))
     check_refusals(resolving_view(record))  # nothing refused by default
@@ -51,7 +51,7 @@ def test_derived_cp_tp_group_sharing_is_refused(sglang_plugins, pair):
 
 
 def test_all_refusals_are_reported_at_once(sglang_plugins, pair):
-    from ddtree_runtime.sglang_plugin.gates import DDTreeConfigError
+    from ddtree_runtime.sglang_plugin.refusals.resolution import DDTreeConfigError
 
     with pytest.raises(DDTreeConfigError) as exc:
         resolve(ddtree_argv(*pair, "--enable-layernorm-sp", "--attention-backend", "flashinfer"))

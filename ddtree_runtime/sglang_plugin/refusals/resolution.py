@@ -1,4 +1,5 @@
-"""Start-up refusals: configurations DDTREE cannot serve correctly, each with the reason.
+"""Start-up refusals at argument resolution: configurations DDTREE cannot serve correctly, each with the
+reason.
 
 Every check reads SGLang's resolving view (``cfg``), so it sees defaults and earlier
 resolution decisions exactly as SGLang does. Each entry names the SGLang 0.5.23 site that

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, Literal
 
-from ddtree_sglang_cpu_lab.base import PINNED_SGLANG_VERSION
+from ddtree_sglang_lab_base import PINNED_SGLANG_VERSION
 
 
 @dataclass(frozen=True)

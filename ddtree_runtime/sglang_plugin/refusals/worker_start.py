@@ -13,7 +13,7 @@ from typing import Any
 from ddtree_runtime.core.contract import HiddenContract, load_contract
 from ddtree_runtime.core.model_files import ContractError
 from ddtree_runtime.sglang_plugin.algorithm import is_chain
-from ddtree_runtime.sglang_plugin.gates import GDN, DDTreeConfigError, hybrid_kind, kind_note
+from ddtree_runtime.sglang_plugin.refusals.resolution import GDN, DDTreeConfigError, hybrid_kind, kind_note
 
 
 def startup_contract(target_path: str, draft_path: str) -> HiddenContract | None:

@@ -9,10 +9,12 @@ lab's, ``ddtree_sglang_gpu_lab``), kept in one place so the two cannot drift apa
 * ``server``: the real SGLang server as a process for tests and the GPU lab's cases (leased ports,
   readiness, stop by PID, its log).
 
-What differs stays in each layer: its seams, its pieces, its fault switches, its server flags. The base
-ships in the CPU layer's distribution (``ddtree-sglang-cpu-lab``), which the GPU lab installs beside its
-own (``scripts/lab/gpu/pack.py`` carries both wheels): no third distribution for the runtime role or the
-device to install. ``tests/unit/test_lab_base.py`` fails when a layer grows its own copy again.
+What differs stays in each layer: its seams, its pieces, its fault switches, its server flags. The base is
+a distribution of its own (``ddtree-sglang-lab-base``, built from ``scripts/lab/sglang-lab-base/``), beside
+whichever layer runs: ``make venv`` installs it before the CPU layer, the runtime role builds it into a lab
+release that holds the CPU layer (``ddtree_runtime_lab_cpu_compat``), and ``scripts/lab/gpu/pack.py``
+carries its wheel to the device. ``tests/unit/test_lab_base.py`` fails when a layer grows its own copy
+again.
 """
 
 from __future__ import annotations

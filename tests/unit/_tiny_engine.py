@@ -1,4 +1,4 @@
-"""Shared by the test_lab_* modules: lab models (made once, cached by source hash), server processes."""
+"""Shared by the tiny engine's tests: lab models (made once, cached by source hash), server processes."""
 
 from __future__ import annotations
 
@@ -98,8 +98,8 @@ def free_port() -> int:
     return _HELD[-1].ports[0]
 
 
-class LabServerProcess:
-    """`ddtree lab serve ...` as a child process, its log in a file."""
+class TinyServerProcess:
+    """`ddtree tiny-engine serve ...` as a child process, its log in a file."""
 
     def __init__(self, args: list[str], *, env: dict[str, str] | None = None, tmp: Path) -> None:
         self.lease = lease_ports(1)  # held until stop(): servers started side by side never share one
@@ -110,7 +110,8 @@ class LabServerProcess:
         full_env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})})
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "ddtree_runtime", "lab", "serve", *args, "--port", str(self.port)],
+                [sys.executable, "-m", "ddtree_runtime", "tiny-engine", "serve", *args,
+                 "--port", str(self.port)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=full_env,

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddtree_runtime.tiny_engine.engine import HiddenStateError, LabEngine, SamplingParams
+from ddtree_runtime.tiny_engine.engine import HiddenStateError, SamplingParams, TinyEngine
 from ddtree_runtime.tiny_engine.language import LAB_PROMPTS
-from tests.unit._lab import first_round_emits, lab_models, one_thread
+from tests.unit._tiny_engine import first_round_emits, lab_models, one_thread
 
 NEW = 48
 
@@ -28,13 +28,13 @@ def models(_one_thread) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engines(models: Path) -> dict[str, LabEngine]:
+def engines(models: Path) -> dict[str, TinyEngine]:
     t, d = models / "target", models / "draft"
     return {
-        "AR": LabEngine(t),
-        "DFLASH": LabEngine(t, d, algorithm="DFLASH"),
-        "DDTREE16": LabEngine(t, d, algorithm="DDTREE", budget=16),
-        "DDTREE64": LabEngine(t, d, algorithm="DDTREE", budget=64),
+        "AR": TinyEngine(t),
+        "DFLASH": TinyEngine(t, d, algorithm="DFLASH"),
+        "DDTREE16": TinyEngine(t, d, algorithm="DDTREE", budget=16),
+        "DDTREE64": TinyEngine(t, d, algorithm="DDTREE", budget=64),
     }
 
 
@@ -106,7 +106,7 @@ def test_stop_token_inside_an_accepted_path_truncates(engines, greedy) -> None:
     assert r.finish_reason == {"type": "stop", "matched": stop}
 
 
-def _exact_joint(engine: LabEngine, prompt: list[int], temperature: float, top: int = 10) -> dict:
+def _exact_joint(engine: TinyEngine, prompt: list[int], temperature: float, top: int = 10) -> dict:
     """P(t1, t2, t3) of the target at temperature T, enumerated over each step's top tokens."""
     target = engine.target
 
@@ -155,7 +155,7 @@ def test_t_positive_ddtree_samples_the_target_distribution(engines) -> None:
 
 def test_t_positive_is_seeded_and_differs_from_greedy(models: Path, greedy) -> None:
     def run(seed: int) -> list[list[int]]:
-        e = LabEngine(models / "target", models / "draft", algorithm="DDTREE", budget=16, seed=seed)
+        e = TinyEngine(models / "target", models / "draft", algorithm="DDTREE", budget=16, seed=seed)
         ps = [e.tokenizer.encode(p) for p in LAB_PROMPTS[:3]]
         return [
             r.output_ids for r in e.generate(ps, [SamplingParams(max_new_tokens=24, temperature=0.9)] * 3)
@@ -174,7 +174,7 @@ def test_t_positive_is_seeded_and_differs_from_greedy(models: Path, greedy) -> N
     ],
 )
 def test_hidden_state_faults_trip_the_contract_guard(models: Path, fault, cause, words) -> None:
-    engine = LabEngine(models / "target", models / "draft", algorithm="DDTREE", fault=fault)
+    engine = TinyEngine(models / "target", models / "draft", algorithm="DDTREE", fault=fault)
     with pytest.raises(HiddenStateError) as err:
         engine.generate([engine.tokenizer.encode("the cat")], [SamplingParams(max_new_tokens=4)])
     assert err.value.cause == cause
@@ -186,7 +186,7 @@ def test_hidden_state_faults_trip_the_contract_guard(models: Path, fault, cause,
 
 def test_mismatched_drafter_fails_at_load(models: Path) -> None:
     with pytest.raises(HiddenStateError) as err:
-        LabEngine(models / "target", models / "draft-mismatched", algorithm="DDTREE")
+        TinyEngine(models / "target", models / "draft-mismatched", algorithm="DDTREE")
     assert err.value.cause == "fc_width_mismatch"
     assert "DFLASH target_hidden feature dim mismatch" in str(err.value)
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddtree_runtime.tiny_engine.engine import LabEngine, SamplingParams
+from ddtree_runtime.tiny_engine.engine import SamplingParams, TinyEngine
 from ddtree_runtime.tiny_engine.language import LAB_PROMPTS
-from tests.unit._lab import first_round_emits, lab_models, one_thread
+from tests.unit._tiny_engine import first_round_emits, lab_models, one_thread
 
 NEW = 40
 
@@ -30,13 +30,13 @@ def models(_one_thread) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engines(models: Path) -> dict[str, LabEngine]:
+def engines(models: Path) -> dict[str, TinyEngine]:
     t, d = models / "target", models / "draft"
     return {
-        "AR": LabEngine(t),
-        "DFLASH": LabEngine(t, d, algorithm="DFLASH"),
-        "DDTREE16": LabEngine(t, d, algorithm="DDTREE", budget=16),
-        "DDTREE64": LabEngine(t, d, algorithm="DDTREE", budget=64),
+        "AR": TinyEngine(t),
+        "DFLASH": TinyEngine(t, d, algorithm="DFLASH"),
+        "DDTREE16": TinyEngine(t, d, algorithm="DDTREE", budget=16),
+        "DDTREE64": TinyEngine(t, d, algorithm="DDTREE", budget=64),
     }
 
 
@@ -133,10 +133,11 @@ def test_committing_by_row_count_breaks_trees_but_not_the_chain(models: Path, gr
     """DFLASH commits row ``accepted - 1``, its chain's last accepted row. That arithmetic is right for
     a chain and wrong for a tree, whose accepted path is not a prefix of the rows: the engine commits
     the accepted node (``_recurrent_commit_rows``), and this test shows why it must."""
-    monkeypatch.setattr(LabEngine, "_recurrent_commit_rows", staticmethod(lambda walk: walk.num_accepted - 1))
+    chain_rows = staticmethod(lambda walk: walk.num_accepted - 1)
+    monkeypatch.setattr(TinyEngine, "_recurrent_commit_rows", chain_rows)
     ar = greedy["AR"][0]
     for algorithm, same in (("DFLASH", True), ("DDTREE", False)):
-        engine = LabEngine(models / "target", models / "draft", algorithm=algorithm, budget=16)
+        engine = TinyEngine(models / "target", models / "draft", algorithm=algorithm, budget=16)
         prompts = [engine.tokenizer.encode(p) for p in LAB_PROMPTS]
         out = engine.generate(prompts, [SamplingParams(max_new_tokens=NEW)] * len(prompts))
         assert ([r.output_ids for r in out] == ar) is same, algorithm
@@ -146,11 +147,11 @@ def test_served_hybrid_pair_passes_the_live_probe_reporting_it_hybrid(models: Pa
     from ddtree_runtime.health.probe_live import live_probe
     from ddtree_runtime.health.probe_report import EXIT_PASS
     from ddtree_runtime.health.probe_static import static_probe
-    from tests.unit._lab import LabServerProcess
+    from tests.unit._tiny_engine import TinyServerProcess
 
     static = static_probe(str(models / "target"), str(models / "draft"))
     assert static.ok and static.handshake["target_hybrid"] is True and "hybrid target" in static.message
-    srv = LabServerProcess(
+    srv = TinyServerProcess(
         ["--model-path", str(models / "target"), "--speculative-algorithm", "DDTREE",
          "--speculative-draft-model-path", str(models / "draft"), "--speculative-ddtree-budget", "16",
          "--device", "cpu"],

@@ -13,7 +13,7 @@ import os
 from collections.abc import Collection, Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 
-from ddtree_sglang_cpu_lab.base.seams import SeamMoved
+from ddtree_sglang_lab_base.seams import SeamMoved
 
 # The lab's one fault switch: the lab engine reads it too (ddtree_runtime.tiny_engine.faults).
 FAULT_ENV = "DDTREE_LAB_FAULT"

@@ -1,5 +1,5 @@
-"""`ddtree lab serve`: SGLang's flags, endpoints, response shapes, metrics, logs, batching, SIGTERM drain,
-and the faults dying the way SGLang dies."""
+"""`ddtree tiny-engine serve`: SGLang's flags, endpoints, response shapes, metrics, logs, batching, SIGTERM
+drain, and the faults dying the way SGLang dies."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import pytest
 
 from ddtree_runtime.cli import build_parser
 from ddtree_runtime.health import diagnose
-from ddtree_runtime.tiny_engine.engine import LabEngine, SamplingParams
+from ddtree_runtime.tiny_engine.engine import SamplingParams, TinyEngine
 from ddtree_runtime.tiny_engine.language import LAB_PROMPTS
 from ddtree_runtime.tiny_engine.server_args import memory_plan
-from ddtree_runtime.tiny_engine.tokenizer import LabTokenizer
-from tests.unit._lab import LabServerProcess, http, lab_models, one_thread
+from ddtree_runtime.tiny_engine.tokenizer import TinyTokenizer
+from tests.unit._tiny_engine import TinyServerProcess, http, lab_models, one_thread
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +48,8 @@ PROFILE = [
 
 
 @pytest.fixture(scope="module")
-def server(models: Path, tmp_path_factory) -> Iterator[LabServerProcess]:
-    srv = LabServerProcess(_args(models, *PROFILE), tmp=tmp_path_factory.mktemp("serve"))
+def server(models: Path, tmp_path_factory) -> Iterator[TinyServerProcess]:
+    srv = TinyServerProcess(_args(models, *PROFILE), tmp=tmp_path_factory.mktemp("serve"))
     try:
         srv.wait_ready()
         yield srv
@@ -61,7 +61,7 @@ def server(models: Path, tmp_path_factory) -> Iterator[LabServerProcess]:
 def expected(models: Path) -> dict[str, list[int]]:
     """AR greedy of the lab prompts, in process: the server's DDTree answers must equal these."""
     with one_thread():
-        engine = LabEngine(models / "target")
+        engine = TinyEngine(models / "target")
         out = engine.generate(
             [engine.tokenizer.encode(p) for p in LAB_PROMPTS], [SamplingParams(max_new_tokens=24)] * 6
         )
@@ -72,7 +72,7 @@ def _json(resp: tuple[int, bytes]) -> tuple[int, object]:
     return resp[0], json.loads(resp[1]) if resp[1] else None
 
 
-def test_health_and_info(server: LabServerProcess) -> None:
+def test_health_and_info(server: TinyServerProcess) -> None:
     assert http(server.url + "/health")[0] == 200
     assert http(server.url + "/health_generate")[0] == 200
     status, info = _json(http(server.url + "/server_info"))
@@ -94,7 +94,7 @@ def test_health_and_info(server: LabServerProcess) -> None:
     assert models["data"][0]["root"].endswith("target") and models["data"][0]["max_model_len"] == 32768
 
 
-def test_generate_is_sglang_shaped_and_equals_ar_greedy(server: LabServerProcess, expected) -> None:
+def test_generate_is_sglang_shaped_and_equals_ar_greedy(server: TinyServerProcess, expected) -> None:
     prompt = LAB_PROMPTS[0]
     status, out = _json(
         http(
@@ -106,7 +106,7 @@ def test_generate_is_sglang_shaped_and_equals_ar_greedy(server: LabServerProcess
     assert out["output_ids"] == expected[prompt] and out["text"].strip()
     meta = out["meta_info"]
     assert meta["completion_tokens"] == 24 and meta["finish_reason"] == {"type": "length", "length": 24}
-    assert meta["prompt_tokens"] == len(LabTokenizer().encode(prompt))
+    assert meta["prompt_tokens"] == len(TinyTokenizer().encode(prompt))
     assert 1 <= meta["spec_verify_ct"] < 24
     assert meta["spec_accept_length"] == pytest.approx(24 / meta["spec_verify_ct"])
     status, batch = _json(
@@ -120,7 +120,7 @@ def test_generate_is_sglang_shaped_and_equals_ar_greedy(server: LabServerProcess
     assert status == 200 and len(by_ids["output_ids"]) == 128  # SGLang's default max_new_tokens
 
 
-def test_a_request_without_a_temperature_samples_as_sglang_does(server: LabServerProcess, expected) -> None:
+def test_a_request_without_a_temperature_samples_as_sglang_does(server: TinyServerProcess, expected) -> None:
     """SGLang's default temperature is 1.0: only temperature 0 (or < 1e-6, or top_k 1) is greedy."""
     prompt = LAB_PROMPTS[0]
 
@@ -135,7 +135,7 @@ def test_a_request_without_a_temperature_samples_as_sglang_does(server: LabServe
     assert ask(top_k=1) == expected[prompt]
 
 
-def test_concurrent_requests_are_batched_and_answered_correctly(server: LabServerProcess, expected) -> None:
+def test_concurrent_requests_are_batched_and_answered_correctly(server: TinyServerProcess, expected) -> None:
     results: dict[str, list[int]] = {}
 
     def ask(prompt: str) -> None:
@@ -154,7 +154,7 @@ def test_concurrent_requests_are_batched_and_answered_correctly(server: LabServe
     assert any(int(line.split("#new-seq: ")[1].split(",")[0]) > 1 for line in batched)
 
 
-def test_a_short_request_joins_a_running_one(server: LabServerProcess, expected) -> None:
+def test_a_short_request_joins_a_running_one(server: TinyServerProcess, expected) -> None:
     """Continuous batching: a request arriving mid-generation is prefilled between rounds and answered
     while the long one is still decoding (and both answers are exact)."""
     got: dict = {}
@@ -180,7 +180,7 @@ def test_a_short_request_joins_a_running_one(server: LabServerProcess, expected)
     assert any("#running-req: 1," in line for line in joined)
 
 
-def test_chat_completions_is_openai_shaped(server: LabServerProcess) -> None:
+def test_chat_completions_is_openai_shaped(server: TinyServerProcess) -> None:
     body = {
         "model": "x",
         "messages": [{"role": "user", "content": "the cat"}],
@@ -210,7 +210,7 @@ def test_chat_completions_is_openai_shaped(server: LabServerProcess) -> None:
         ("/v1/chat/completions", {"messages": []}, "messages must be a non-empty list"),
     ],
 )
-def test_bad_bodies_get_sglang_like_400s(server: LabServerProcess, path, body, fragment) -> None:
+def test_bad_bodies_get_sglang_like_400s(server: TinyServerProcess, path, body, fragment) -> None:
     status, out = _json(http(server.url + path, body))
     assert status == 400
     # SGLang: its JSON-contract gate answers {"error": "..."}, the later checks {"error": {"message": ...}}
@@ -222,13 +222,13 @@ def test_bad_bodies_get_sglang_like_400s(server: LabServerProcess, path, body, f
     assert fragment in message
 
 
-def test_return_logprob_gives_the_targets_logprobs_as_sglang_shapes_them(server: LabServerProcess,
+def test_return_logprob_gives_the_targets_logprobs_as_sglang_shapes_them(server: TinyServerProcess,
                                                                         models: Path) -> None:
     """Input positions from the prefill, output tokens from the DDTREE verify rows that decided them: both
     the target's own log-probabilities (the plain engine's, computed here), in SGLang's layout."""
     import torch
 
-    tok = LabTokenizer()
+    tok = TinyTokenizer()
     prompt = tok.encode(LAB_PROMPTS[0])
     body = {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": 12},
             "return_logprob": True, "logprob_start_len": 1, "top_logprobs_num": 2}
@@ -240,7 +240,7 @@ def test_return_logprob_gives_the_targets_logprobs_as_sglang_shapes_them(server:
     assert [e[1] for e in meta["output_token_logprobs"]] == ids and meta["output_token_logprobs_length"] == 12
     assert all(len(top) == 2 for top in meta["output_top_logprobs"])
     with one_thread(), torch.no_grad():
-        engine = LabEngine(models / "target")
+        engine = TinyEngine(models / "target")
         seq = torch.tensor([prompt + ids])
         n = seq.shape[1]
         logits, _ = engine.target(seq, torch.arange(n)[None], torch.ones(n, n, dtype=torch.bool).tril()[None])
@@ -255,7 +255,7 @@ def test_return_logprob_gives_the_targets_logprobs_as_sglang_shapes_them(server:
     assert tokens["count"][1] == len(tok.encode("the cat"))
 
 
-def test_metrics_use_sglang_names(server: LabServerProcess) -> None:
+def test_metrics_use_sglang_names(server: TinyServerProcess) -> None:
     greedy = {"temperature": 0, "max_new_tokens": 16}
     http(server.url + "/generate", {"text": "the cat", "sampling_params": greedy})
     status, body = http(server.url + "/metrics")
@@ -275,7 +275,7 @@ def test_metrics_use_sglang_names(server: LabServerProcess) -> None:
     assert values["sglang:ddtree_budget"] == 16 and "sglang:num_running_reqs" in values
 
 
-def test_logs_read_like_sglang(server: LabServerProcess) -> None:
+def test_logs_read_like_sglang(server: TinyServerProcess) -> None:
     log = server.log
     assert "server_args=ServerArgs(" in log
     assert log.index("Load weight end") < log.index("The server is fired up and ready to roll!")
@@ -289,19 +289,19 @@ DIM_MISMATCH = "DFLASH target_hidden feature dim mismatch"
 
 
 @pytest.fixture(scope="module")
-def dying(models: Path, tmp_path_factory) -> dict[str, LabServerProcess]:
+def dying(models: Path, tmp_path_factory) -> dict[str, TinyServerProcess]:
     """Start every failing server at once (they are independent), then wait for each to die."""
     tmp = tmp_path_factory.mktemp("faults")
     servers = {
-        "capture_predicate": LabServerProcess(
+        "capture_predicate": TinyServerProcess(
             _args(models), env={"DDTREE_LAB_FAULT": "capture_predicate"}, tmp=tmp
         ),
-        "hidden_none": LabServerProcess(_args(models), env={"DDTREE_LAB_FAULT": "hidden_none"}, tmp=tmp),
-        "memory": LabServerProcess(
+        "hidden_none": TinyServerProcess(_args(models), env={"DDTREE_LAB_FAULT": "hidden_none"}, tmp=tmp),
+        "memory": TinyServerProcess(
             _args(models, "--mem-fraction-static", "0.02", "--context-length", "8192"), tmp=tmp
         ),
-        "mismatched": LabServerProcess(_args(models, draft="draft-mismatched"), tmp=tmp),
-        "crash_after_start": LabServerProcess(
+        "mismatched": TinyServerProcess(_args(models, draft="draft-mismatched"), tmp=tmp),
+        "crash_after_start": TinyServerProcess(
             _args(models),
             env={"DDTREE_LAB_FAULT": "crash_after_start", "DDTREE_LAB_CRASH_AFTER_S": "1"},
             tmp=tmp,
@@ -340,7 +340,7 @@ def test_faults_die_the_sglang_way(dying, name: str, cause: str | None, texts: l
 
 
 def test_slow_start_answers_503_until_ready_and_sigterm_drains(models: Path, tmp_path: Path) -> None:
-    srv = LabServerProcess(
+    srv = TinyServerProcess(
         _args(models), env={"DDTREE_LAB_FAULT": "slow_start", "DDTREE_LAB_START_DELAY_S": "2"}, tmp=tmp_path
     )
     try:
@@ -359,7 +359,7 @@ def test_slow_start_answers_503_until_ready_and_sigterm_drains(models: Path, tmp
         srv.stop()
 
 
-def _sigterm_drains(srv: LabServerProcess) -> None:
+def _sigterm_drains(srv: TinyServerProcess) -> None:
     """SIGTERM while a request runs: it is answered in full, then the server exits 0."""
     got: dict = {}
     body = {"text": "the cat", "sampling_params": {"temperature": 0, "max_new_tokens": 150}}
@@ -389,7 +389,7 @@ def _sigterm_drains(srv: LabServerProcess) -> None:
 
 def _parse_exit(argv: list[str], capsys) -> tuple[int, str]:
     with pytest.raises(SystemExit) as err:
-        build_parser().parse_args(["lab", "serve", *argv])
+        build_parser().parse_args(["tiny-engine", "serve", *argv])
     return int(err.value.code), capsys.readouterr().err
 
 
@@ -400,12 +400,29 @@ def test_unknown_and_removed_flags_are_argparse_errors(capsys) -> None:
     assert code == 2 and "ambiguous option: --cuda-graph-max-bs could match" in err
     code, err = _parse_exit(["--model-path", "m", "--mamba-scheduler-strategy", "extra_buffer"], capsys)
     assert code == 2 and "unrecognized arguments" in err
-    args = build_parser().parse_args(["lab", "serve", "--model-path", "m", *PROFILE, "--disable-cuda-graph"])
+    args = build_parser().parse_args(["tiny-engine", "serve", "--model-path", "m", *PROFILE,
+                                      "--disable-cuda-graph"])  # fmt: skip
     assert args.mem_fraction_static == 0.85 and args.disable_cuda_graph
 
 
+def test_the_old_lab_spelling_still_serves_but_is_not_listed(capsys) -> None:
+    """`ddtree lab serve` (units and scripts written before the tiny engine had its own group)."""
+    parser = build_parser()
+    old = parser.parse_args(["lab", "serve", "--model-path", "m", *PROFILE])
+    new = parser.parse_args(["tiny-engine", "serve", "--model-path", "m", *PROFILE])
+    assert old.func is new.func
+    def flags(args):
+        return {k: v for k, v in vars(args).items() if k != "command" and not k.endswith("_command")}
+
+    assert flags(old) == flags(new)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["lab", "--help"])
+    listed = capsys.readouterr().out
+    assert "wheelhouse" in listed and "serve" not in listed and "make-models" not in listed
+
+
 def test_unknown_algorithm_fails_like_sglang(models: Path, tmp_path: Path) -> None:
-    srv = LabServerProcess(_args(models, algo="EAGLE9"), tmp=tmp_path)
+    srv = TinyServerProcess(_args(models, algo="EAGLE9"), tmp=tmp_path)
     assert srv.wait_exit(60) == 1
     assert "Unknown speculative algorithm name: EAGLE9" in srv.log
 

@@ -1,4 +1,4 @@
-"""The lab tokenizer in Hugging Face's format (what a real SGLang server loads) gives LabTokenizer's ids."""
+"""The lab tokenizer in Hugging Face's format (what a real SGLang server loads) gives TinyTokenizer's ids."""
 
 from __future__ import annotations
 
@@ -7,15 +7,15 @@ import random
 import pytest
 
 from ddtree_runtime.tiny_engine.hf_tokenizer import save_hf_tokenizer
-from ddtree_runtime.tiny_engine.language import LabLanguage
-from ddtree_runtime.tiny_engine.tokenizer import EOS_TOKEN_ID, LabTokenizer
+from ddtree_runtime.tiny_engine.language import TinyLanguage
+from ddtree_runtime.tiny_engine.tokenizer import EOS_TOKEN_ID, TinyTokenizer
 
 transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    lab = LabTokenizer()
+    lab = TinyTokenizer()
     directory = tmp_path_factory.mktemp("tok")
     save_hf_tokenizer(lab, directory)
     return lab, transformers.AutoTokenizer.from_pretrained(str(directory))
@@ -23,7 +23,7 @@ def pair(tmp_path_factory):
 
 def test_ids_and_text_match_the_lab_tokenizer(pair):
     lab, hf = pair
-    lang = LabLanguage(lab, seed=3)
+    lang = TinyLanguage(lab, seed=3)
     rng = random.Random(0)
     texts = ["the cat sees the dog.", "théâtre  caté the..", "The capital of France is", " the\n\tend"]
     samples = [lang.sample(40, rng, chat=i % 3 == 0) for i in range(150)]

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from ddtree_runtime.core.counterfactual import Candidate, parse_candidates
-from ddtree_runtime.tiny_engine.engine import LabEngine, SamplingParams
+from ddtree_runtime.tiny_engine.engine import SamplingParams, TinyEngine
 from ddtree_runtime.tiny_engine.language import LAB_PROMPTS
-from tests.unit._lab import lab_models, one_thread
+from tests.unit._tiny_engine import lab_models, one_thread
 
 NEW = 96
 # Measured here: the renewal-weighted estimate sat between 3.6 % below and 0.9 % above the real tokens
@@ -31,14 +31,14 @@ def models(_one_thread) -> Path:
     return lab_models()
 
 
-def _run(engine: LabEngine, params: SamplingParams | None = None) -> list[list[int]]:
+def _run(engine: TinyEngine, params: SamplingParams | None = None) -> list[list[int]]:
     prompts = [engine.tokenizer.encode(p) for p in LAB_PROMPTS]
     out = engine.generate(prompts, [params or SamplingParams(max_new_tokens=NEW)] * len(prompts))
     return [r.output_ids for r in out]
 
 
 def test_the_running_setting_scores_exactly_what_it_accepted(models: Path) -> None:
-    e = LabEngine(models / "target", models / "draft", algorithm="DDTREE", budget=16,
+    e = TinyEngine(models / "target", models / "draft", algorithm="DDTREE", budget=16,
                   counterfactual=[Candidate(16)], counterfactual_fraction=1.0)  # fmt: skip
     _run(e)
     snap = e.counterfactual.snapshot()
@@ -53,7 +53,7 @@ def test_the_running_setting_scores_exactly_what_it_accepted(models: Path) -> No
 def test_a_chain_server_predicts_what_each_budget_accepts_for_real(models: Path) -> None:
     t, d = models / "target", models / "draft"
     cands = parse_candidates("chain,8,16,32,64", 15)
-    chain = LabEngine(t, d, algorithm="DDTREE", budget=15, topk_cap=1, counterfactual=cands,
+    chain = TinyEngine(t, d, algorithm="DDTREE", budget=15, topk_cap=1, counterfactual=cands,
                       counterfactual_fraction=1.0)  # fmt: skip
     outputs = _run(chain)
     snap = chain.counterfactual.snapshot()
@@ -63,7 +63,7 @@ def test_a_chain_server_predicts_what_each_budget_accepts_for_real(models: Path)
     assert predicted["chain"] == pytest.approx(chain.stats.accepted_sum / chain.stats.verify_ct, rel=0.02)
     errors = {}
     for budget in (8, 16, 32, 64):
-        real = LabEngine(t, d, algorithm="DDTREE", budget=budget)
+        real = TinyEngine(t, d, algorithm="DDTREE", budget=budget)
         assert _run(real) == outputs  # greedy: the same tokens, so the same continuations
         measured = real.stats.accepted_sum / real.stats.verify_ct
         errors[budget] = predicted[str(budget)] / measured - 1
@@ -74,7 +74,7 @@ def test_a_chain_server_predicts_what_each_budget_accepts_for_real(models: Path)
 
 
 def test_only_a_fraction_of_greedy_rounds_is_sampled(models: Path) -> None:
-    e = LabEngine(models / "target", models / "draft", algorithm="DFLASH",
+    e = TinyEngine(models / "target", models / "draft", algorithm="DFLASH",
                   counterfactual=[Candidate(15, 1), Candidate(16)], counterfactual_fraction=0.25)  # fmt: skip
     _run(e)
     snap = e.counterfactual.snapshot()
@@ -86,7 +86,7 @@ def test_only_a_fraction_of_greedy_rounds_is_sampled(models: Path) -> None:
     _run(e, SamplingParams(max_new_tokens=24, temperature=0.8))  # T > 0: never sampled
     assert e.counterfactual.snapshot()["rounds_sampled"] == before
     with pytest.raises(ValueError, match="fraction"):
-        LabEngine(models / "target", models / "draft", algorithm="DFLASH",
+        TinyEngine(models / "target", models / "draft", algorithm="DFLASH",
                   counterfactual=[Candidate(16)], counterfactual_fraction=1.5)  # fmt: skip
 
 
@@ -96,7 +96,7 @@ def _lab_server(models: Path, *flags: str):
     import json
 
     from ddtree_runtime.tiny_engine import faults
-    from ddtree_runtime.tiny_engine.server import LabServer
+    from ddtree_runtime.tiny_engine.server import TinyServer
     from ddtree_runtime.tiny_engine.server_args import add_server_args, resolve
 
     p = argparse.ArgumentParser()
@@ -108,7 +108,7 @@ def _lab_server(models: Path, *flags: str):
     cfg = json.loads((models / "target" / "config.json").read_text())
     sargs = resolve(args, target_config=cfg, draft_block_size=16)
     sargs["device"] = "cpu"
-    return LabServer(sargs, faults.fault_plan(None), "cpu")
+    return TinyServer(sargs, faults.fault_plan(None), "cpu")
 
 
 def test_the_lab_server_exposes_the_counters_on_its_metrics(models: Path) -> None:

@@ -13,11 +13,11 @@ from safetensors import safe_open
 
 from ddtree_runtime.core.contract import load_contract
 from ddtree_runtime.core.model_files import ContractError
-from ddtree_runtime.tiny_engine.engine import LabEngine, SamplingParams
+from ddtree_runtime.tiny_engine.engine import SamplingParams, TinyEngine
 from ddtree_runtime.tiny_engine.language import LAB_PROMPTS
 from ddtree_runtime.tiny_engine.make import make_models
-from ddtree_runtime.tiny_engine.tokenizer import EOS_TOKEN_ID, MASK_TOKEN_ID, LabTokenizer
-from tests.unit._lab import lab_models, one_thread
+from ddtree_runtime.tiny_engine.tokenizer import EOS_TOKEN_ID, MASK_TOKEN_ID, TinyTokenizer
+from tests.unit._tiny_engine import lab_models, one_thread
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -96,7 +96,7 @@ def test_make_models_is_byte_deterministic(tmp_path: Path) -> None:
 
 
 def test_tokenizer_round_trips_and_keeps_words_whole() -> None:
-    tok = LabTokenizer()
+    tok = TinyTokenizer()
     text = "the cat sees a dog. Ünïcode ✓ <|im_start|>user\nhi<|im_end|>"
     ids = tok.encode(text)
     assert tok.decode(ids, skip_special_tokens=False) == text
@@ -107,7 +107,7 @@ def test_tokenizer_round_trips_and_keeps_words_whole() -> None:
 
 
 def test_target_greedy_output_is_varied(models: Path) -> None:
-    engine = LabEngine(models / "target")
+    engine = TinyEngine(models / "target")
     prompts = [engine.tokenizer.encode(p) for p in LAB_PROMPTS[:3]]
     out = engine.generate(prompts, [SamplingParams(max_new_tokens=48)] * 3)
     for r in out:

@@ -1,5 +1,5 @@
 """The lab server as its HTTP side sees it: the handlers (http_api) and the request parsing
-(sglang_requests) know it only through :class:`LabService`, so neither imports server.py (which imports
+(sglang_requests) know it only through :class:`TinyServerView`, so neither imports server.py (which imports
 them)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any, Protocol
 from ddtree_runtime.tiny_engine.jobs import Job
 
 
-class LabService(Protocol):
-    """What the handlers need of the lab server (server.LabServer is one)."""
+class TinyServerView(Protocol):
+    """What the handlers need of the lab server (server.TinyServer is one)."""
 
     sargs: dict
     status: str
