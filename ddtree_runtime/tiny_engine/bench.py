@@ -38,7 +38,7 @@ def run_bench(
 
     from ddtree_runtime.tiny_engine.engine import SamplingParams, TinyEngine
     from ddtree_runtime.tiny_engine.language import LAB_PROMPTS
-    from ddtree_runtime.tiny_engine.models import load_target_config
+    from ddtree_runtime.tiny_engine.model_config import load_target_config
 
     pair = "hybrid" if load_target_config(models / "target").is_hybrid else "dense"
     texts = list(prompts or LAB_PROMPTS)

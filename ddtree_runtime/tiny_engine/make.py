@@ -22,14 +22,8 @@ from safetensors.torch import save_file
 
 from ddtree_runtime.tiny_engine.hf_tokenizer import save_hf_tokenizer
 from ddtree_runtime.tiny_engine.language import TinyLanguage
-from ddtree_runtime.tiny_engine.models import (
-    DraftConfig,
-    DraftModel,
-    TargetConfig,
-    TargetModel,
-    causal_mask,
-    init_weights,
-)
+from ddtree_runtime.tiny_engine.model_config import DraftConfig, TargetConfig
+from ddtree_runtime.tiny_engine.models import DraftModel, TargetModel, causal_mask, init_weights
 from ddtree_runtime.tiny_engine.tokenizer import EOS_TOKEN_ID, MASK_TOKEN_ID, VOCAB_SIZE, TinyTokenizer
 
 TARGET_CONFIG = TargetConfig(vocab_size=VOCAB_SIZE)

@@ -11,14 +11,13 @@ features = target hidden states after `target_layer_ids`, concatenated and proje
 injected as extra K/V in every layer; attention over [context, block] is non-causal.
 
 Both forwards take explicit rows/masks so the engine can run prefill, chain verify and tree verify with a KV
-cache, batched with different lengths, through the same code the models were trained with.
+cache (``kv_cache``), batched with different lengths, through the same code the models were trained with.
+The configs the networks are built from, and the checkpoints' ``config.json``, are ``model_config``'s.
 """
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -27,134 +26,8 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from ddtree_runtime.tiny_engine import gdn
-
-
-@dataclass(frozen=True)
-class TargetConfig:
-    vocab_size: int
-    hidden_size: int = 64
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 16
-    intermediate_size: int = 128
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 32768
-    # hybrid targets (Qwen3.5 pattern): "linear_attention" layers are Gated DeltaNet
-    layer_types: tuple[str, ...] = ()
-    linear_num_key_heads: int = 2
-    linear_num_value_heads: int = 4
-    linear_key_head_dim: int = 16
-    linear_value_head_dim: int = 16
-    linear_conv_kernel_dim: int = 4
-
-    @property
-    def is_hybrid(self) -> bool:
-        return "linear_attention" in self.layer_types
-
-    def layer_type(self, i: int) -> str:
-        return self.layer_types[i] if self.layer_types else "full_attention"
-
-    def to_hf(self, *, eos_token_id: int) -> dict:
-        """config.json as a Qwen3 (dense) or Qwen3.5 text (hybrid) checkpoint has it."""
-        base = {k: v for k, v in asdict(self).items() if k != "layer_types" and not k.startswith("linear_")}
-        out = {
-            "architectures": ["Qwen3ForCausalLM"],
-            "model_type": "qwen3",
-            **base,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "tie_word_embeddings": False,
-            "torch_dtype": "bfloat16",
-            "bos_token_id": eos_token_id,
-            "eos_token_id": eos_token_id,
-            "use_sliding_window": False,
-            "sliding_window": None,
-            "layer_types": [self.layer_type(i) for i in range(self.num_hidden_layers)],
-        }
-        if self.is_hybrid:
-            full = [i for i in range(self.num_hidden_layers) if self.layer_type(i) == "full_attention"]
-            out.update(
-                architectures=["Qwen3_5ForCausalLM"],
-                model_type="qwen3_5_text",
-                full_attention_interval=full[0] + 1 if full else 0,
-                # What the lab's attention layers are, in the keys SGLang's Qwen3.5 class reads (its
-                # defaults are Qwen3.6's: a gated output and RoPE on a quarter of each head).
-                attn_output_gate=False,
-                partial_rotary_factor=1.0,
-                rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta},
-                mamba_ssm_dtype="float32",
-                **{k: v for k, v in asdict(self).items() if k.startswith("linear_")},
-            )
-        return out
-
-    @classmethod
-    def from_hf(cls, cfg: dict) -> TargetConfig:
-        kwargs = {k: cfg[k] for k in cls.__dataclass_fields__ if k in cfg}
-        kwargs["layer_types"] = tuple(cfg.get("layer_types") or ())
-        return cls(**kwargs)
-
-
-@dataclass(frozen=True)
-class DraftConfig:
-    vocab_size: int
-    target_layer_ids: tuple[int, ...]
-    num_target_layers: int
-    mask_token_id: int
-    hidden_size: int = 64
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 16
-    intermediate_size: int = 128
-    block_size: int = 16
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 32768
-    layer_types: tuple[str, ...] = field(default=())
-
-    def to_hf(self) -> dict:
-        """config.json as z-lab's DFlash drafters have it."""
-        d = asdict(self)
-        return {
-            "architectures": ["DFlashDraftModel"],
-            "model_type": "qwen3",
-            "hidden_size": d["hidden_size"],
-            "num_hidden_layers": d["num_hidden_layers"],
-            "num_attention_heads": d["num_attention_heads"],
-            "num_key_value_heads": d["num_key_value_heads"],
-            "head_dim": d["head_dim"],
-            "intermediate_size": d["intermediate_size"],
-            "rms_norm_eps": d["rms_norm_eps"],
-            "rope_theta": d["rope_theta"],
-            "max_position_embeddings": d["max_position_embeddings"],
-            "vocab_size": d["vocab_size"],
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "tie_word_embeddings": False,
-            "torch_dtype": "bfloat16",
-            "num_target_layers": d["num_target_layers"],
-            "block_size": d["block_size"],
-            "layer_types": list(self.layer_types) or ["full_attention"] * self.num_hidden_layers,
-            "dflash_config": {
-                "target_layer_ids": list(self.target_layer_ids),
-                "block_size": self.block_size,
-                "mask_token_id": self.mask_token_id,
-                "mask_token": "<|MASK|>",
-            },
-        }
-
-    @classmethod
-    def from_hf(cls, cfg: dict) -> DraftConfig:
-        dflash = cfg.get("dflash_config") or {}
-        kwargs = {k: cfg[k] for k in cls.__dataclass_fields__ if k in cfg and k != "layer_types"}
-        kwargs["target_layer_ids"] = tuple(dflash.get("target_layer_ids", cfg.get("target_layer_ids", ())))
-        kwargs["block_size"] = int(dflash.get("block_size", cfg.get("block_size", 16)))
-        kwargs["mask_token_id"] = int(dflash.get("mask_token_id", cfg.get("mask_token_id", 0)))
-        kwargs["num_target_layers"] = int(cfg.get("num_target_layers", 0))
-        return cls(**kwargs)
-
+from ddtree_runtime.tiny_engine.kv_cache import KVCache, RecurrentCache
+from ddtree_runtime.tiny_engine.model_config import DraftConfig, TargetConfig, load_target_config, read_config
 
 # Qwen3.5's decoder norms scale by 1 + weight (its GDN layer's gated norm does not).
 QWEN3_5_NORM_OFFSET = 1.0
@@ -303,102 +176,6 @@ class GDNDecoderLayer(nn.Module):
         self.linear_attn = GatedDeltaNet(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, QWEN3_5_NORM_OFFSET)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
-
-
-class RecurrentCache:
-    """Per request and GDN layer: the committed conv window [C, W-1] and delta-rule state
-    [HV, K, V]. A forward stages every row's post-token state; ``commit(rows)`` keeps, per request,
-    the state after ``rows[r]`` (the accepted node, or the last prompt token)."""
-
-    def __init__(self, shapes: list[tuple[tuple[int, ...], tuple[int, ...]]], batch: int, like: Tensor):
-        self.conv = [like.new_zeros((batch, *c)) for c, _ in shapes]
-        self.ssm = [torch.zeros((batch, *s), dtype=torch.float32, device=like.device) for _, s in shapes]
-        self.staged: list[tuple[Tensor, Tensor] | None] = [None] * len(shapes)
-
-    def stage(self, i: int, windows: Tensor, states: Tensor) -> None:
-        self.staged[i] = (windows, states)
-
-    def commit(self, rows: Tensor) -> None:
-        """rows [b]: the row (of the last forward) whose state each request keeps."""
-        idx = torch.arange(rows.shape[0], device=rows.device)
-        for i, staged in enumerate(self.staged):
-            if staged is None:
-                raise RuntimeError("RecurrentCache.commit without a staged forward")
-            windows, states = staged
-            self.conv[i] = windows[idx, rows].to(self.conv[i].dtype)
-            self.ssm[i] = states[idx, rows]
-        self.staged = [None] * len(self.staged)
-
-    def select(self, keep: Tensor) -> None:
-        self.conv = [t.index_select(0, keep) for t in self.conv]
-        self.ssm = [t.index_select(0, keep) for t in self.ssm]
-
-    def extend(self, other: RecurrentCache) -> None:
-        self.conv = [torch.cat([a, b]) for a, b in zip(self.conv, other.conv, strict=True)]
-        self.ssm = [torch.cat([a, b]) for a, b in zip(self.ssm, other.ssm, strict=True)]
-
-
-class KVCache:
-    """Per-layer K/V rows [b, kv_heads, capacity, head_dim]; row i holds the token at logical position i."""
-
-    def __init__(
-        self,
-        layers: int,
-        batch: int,
-        kv_heads: int,
-        head_dim: int,
-        capacity: int,
-        like: Tensor,
-        recurrent: RecurrentCache | None = None,
-    ):
-        shape = (batch, kv_heads, capacity, head_dim)
-        self.k = [like.new_zeros(shape) for _ in range(layers)]
-        self.v = [like.new_zeros(shape) for _ in range(layers)]
-        self.capacity = capacity
-        self.recurrent = recurrent  # hybrid targets: the GDN layers' state, kept alongside the KV
-
-    def commit_recurrent(self, rows: Tensor) -> None:
-        """Hybrid targets: keep each request's state after ``rows[r]`` of the last forward."""
-        if self.recurrent is not None:
-            self.recurrent.commit(rows)
-
-    def write(self, layer: int, rows: Tensor, k: Tensor, v: Tensor) -> None:
-        """rows [b, n] absolute cache rows for k/v [b, h, n, d]."""
-        if int(rows.max()) >= self.capacity:
-            raise RuntimeError(f"KV cache overflow: row {int(rows.max())} >= capacity {self.capacity}")
-        idx = rows[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-        self.k[layer].scatter_(2, idx, k)
-        self.v[layer].scatter_(2, idx, v)
-
-    def view(self, layer: int, length: int) -> tuple[Tensor, Tensor]:
-        return self.k[layer][:, :, :length], self.v[layer][:, :, :length]
-
-    def move_rows(self, src: Tensor, dst: Tensor) -> None:
-        """Copy rows src -> dst per request ([b, m] absolute rows, gathered first so overlaps are safe)."""
-        for store in (self.k, self.v):
-            for t in store:
-                idx_src = src[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
-                idx_dst = dst[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3])
-                t.scatter_(2, idx_dst, t.gather(2, idx_src))
-
-    def select(self, keep: Tensor) -> None:
-        """Keep only the requests at indices `keep` (finished ones leave the batch)."""
-        self.k = [t.index_select(0, keep) for t in self.k]
-        self.v = [t.index_select(0, keep) for t in self.v]
-        if self.recurrent is not None:
-            self.recurrent.select(keep)
-
-    def extend(self, other: KVCache, capacity: int) -> None:
-        """Append other's requests as new rows; both grow to `capacity` rows per request."""
-
-        def grow(t: Tensor) -> Tensor:
-            return F.pad(t, (0, 0, 0, capacity - t.shape[2]))
-
-        self.k = [torch.cat([grow(a), grow(b)]) for a, b in zip(self.k, other.k, strict=True)]
-        self.v = [torch.cat([grow(a), grow(b)]) for a, b in zip(self.v, other.v, strict=True)]
-        self.capacity = capacity
-        if self.recurrent is not None and other.recurrent is not None:
-            self.recurrent.extend(other.recurrent)
 
 
 class TargetModel(nn.Module):
@@ -569,17 +346,6 @@ def _norm_offset(module: nn.Module, param_name: str) -> float:
     return float(getattr(owner, "offset", 0.0))
 
 
-def _read_config(directory: Path) -> dict:
-    path = directory / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError as exc:
-        raise FileNotFoundError(f"{path} not found: run `ddtree tiny-engine make-models DIR` first") from exc
-
-
-def load_target_config(directory: str | Path) -> TargetConfig:
-    return TargetConfig.from_hf(_read_config(Path(directory)))
-
 
 def load_target(directory: str | Path, *, device: str = "cpu", dtype: torch.dtype = torch.float32):
     """A Qwen3-style lab target from config.json + model.safetensors (strict: every tensor must fit)."""
@@ -595,7 +361,7 @@ def load_draft(
 ):
     """A DFlash-style lab drafter; a checkpoint made for another target fails here like SGLang's loader."""
     directory = Path(directory)
-    cfg = DraftConfig.from_hf(_read_config(directory))
+    cfg = DraftConfig.from_hf(read_config(directory))
     model = DraftModel(cfg, target_hidden_size)
     state = load_file(str(directory / "model.safetensors"))
     want = tuple(model.fc.weight.shape)

@@ -21,7 +21,8 @@ from pathlib import Path
 import ddtree_runtime.tiny_engine as lab_pkg
 from ddtree_runtime.tiny_engine.ports import PortLease, lease_ports
 
-_SOURCES = ("make.py", "models.py", "gdn.py", "language.py", "tokenizer.py", "hf_tokenizer.py")
+_SOURCES = ("make.py", "model_config.py", "models.py", "kv_cache.py", "gdn.py", "language.py", "tokenizer.py",
+            "hf_tokenizer.py")
 
 
 @cache

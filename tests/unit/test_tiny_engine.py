@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddtree_runtime.tiny_engine.engine import HiddenStateError, SamplingParams, TinyEngine
+from ddtree_runtime.tiny_engine.decoder import HiddenStateError
+from ddtree_runtime.tiny_engine.engine import SamplingParams, TinyEngine
 from ddtree_runtime.tiny_engine.language import LAB_PROMPTS
 from tests.unit._tiny_engine import first_round_emits, lab_models, one_thread
 
