@@ -75,6 +75,28 @@ def first_round_emits(engine, states: list[list[int]]) -> list[int]:
     return [r.accept_lengths[0] for r in res]
 
 
+def check_greedy_equals_ar(greedy: dict, name: str, new: int) -> None:
+    """The ``greedy`` fixture's outputs of engine ``name``: ``new`` tokens each, the same as AR's."""
+    spec, _ = greedy[name]
+    assert all(len(o) == new for o in spec)
+    assert spec == greedy["AR"][0]
+
+
+def check_trees_against_the_chain(engines: dict, ar_outputs: list[list[int]], new: int) -> None:
+    """Bigger trees accept at least as much as smaller ones, and a tree as much as the chain, compared where
+    that is certain: one round from the same states (every sixth prefix of each prompt's greedy output;
+    ``engines`` as the ``engines`` fixture names them)."""
+    from ddtree_runtime.tiny_engine.language import LAB_PROMPTS
+
+    enc = engines["AR"].tokenizer.encode
+    states = [enc(p) + out[:k] for p, out in zip(LAB_PROMPTS, ar_outputs, strict=True)
+              for k in range(0, new, 6)]  # fmt: skip
+    chain, t16, t64 = (first_round_emits(engines[n], states) for n in ("DFLASH", "DDTREE16", "DDTREE64"))
+    assert all(1 <= n <= 16 for n in chain + t16 + t64)
+    assert all(b >= a for a, b in zip(t16, t64, strict=True)), (t16, t64)
+    assert all(t >= 2 for c, t in zip(chain, t16, strict=True) if c >= 2), (chain, t16)
+
+
 @contextmanager
 def one_thread() -> Iterator[None]:
     """The lab models are tiny: one torch thread is faster, and on a shared CPU much faster."""

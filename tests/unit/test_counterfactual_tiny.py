@@ -10,7 +10,6 @@ import pytest
 from ddtree_runtime.core.counterfactual import Candidate, parse_candidates
 from ddtree_runtime.tiny_engine.engine import SamplingParams, TinyEngine
 from ddtree_runtime.tiny_engine.language import LAB_PROMPTS
-from tests.unit._tiny_engine import lab_models, one_thread
 
 NEW = 96
 # Measured here: the renewal-weighted estimate sat between 3.6 % below and 0.9 % above the real tokens
@@ -20,15 +19,7 @@ NEW = 96
 BOUND = 0.05
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def models(_one_thread) -> Path:
-    return lab_models()
+pytestmark = pytest.mark.usefixtures("tiny_one_thread")
 
 
 def _run(engine: TinyEngine, params: SamplingParams | None = None) -> list[list[int]]:

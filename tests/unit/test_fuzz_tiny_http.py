@@ -20,20 +20,19 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.unit._tiny_engine import TinyServerProcess, http, lab_models, one_thread
+from tests.unit._tiny_engine import TinyServerProcess, http
 
 CONTEXT = 4096
 PROMPT = "the cat"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[TinyServerProcess]:
-    with one_thread():
-        models = lab_models()
+def server(models: Path, tmp_path_factory) -> Iterator[TinyServerProcess]:
     srv = TinyServerProcess(
         ["--model-path", str(models / "target"), "--speculative-algorithm", "DDTREE",
          "--speculative-draft-model-path", str(models / "draft"), "--device", "cpu",

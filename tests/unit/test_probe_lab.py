@@ -19,12 +19,7 @@ from ddtree_runtime.health import diagnose
 from ddtree_runtime.health.probe_live import live_probe
 from ddtree_runtime.health.probe_report import EXIT_FAILED, EXIT_NOT_READY, EXIT_PASS
 from ddtree_runtime.health.probe_static import static_probe
-from tests.unit._tiny_engine import TinyServerProcess, contrary_drafter, lab_models
-
-
-@pytest.fixture(scope="module")
-def models() -> Path:
-    return lab_models()
+from tests.unit._tiny_engine import TinyServerProcess, contrary_drafter
 
 
 def _serve_args(models: Path, *extra: str, draft: str = "draft") -> list[str]:

@@ -12,53 +12,17 @@ import torch
 from ddtree_runtime.tiny_engine.decoder import HiddenStateError
 from ddtree_runtime.tiny_engine.engine import SamplingParams, TinyEngine
 from ddtree_runtime.tiny_engine.language import LAB_PROMPTS
-from tests.unit._tiny_engine import first_round_emits, lab_models, one_thread
+from tests.unit._tiny_engine import check_greedy_equals_ar, check_trees_against_the_chain
 
 NEW = 48
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def models(_one_thread) -> Path:
-    return lab_models()
-
-
-@pytest.fixture(scope="module")
-def engines(models: Path) -> dict[str, TinyEngine]:
-    t, d = models / "target", models / "draft"
-    return {
-        "AR": TinyEngine(t),
-        "DFLASH": TinyEngine(t, d, algorithm="DFLASH"),
-        "DDTREE16": TinyEngine(t, d, algorithm="DDTREE", budget=16),
-        "DDTREE64": TinyEngine(t, d, algorithm="DDTREE", budget=64),
-    }
-
-
-@pytest.fixture(scope="module")
-def greedy(engines) -> dict[str, tuple[list[list[int]], float]]:
-    """Each engine's greedy outputs on all lab prompts as one batch (different prompt lengths)."""
-    out = {}
-    for name, engine in engines.items():
-        prompts = [engine.tokenizer.encode(p) for p in LAB_PROMPTS]
-        assert len({len(p) for p in prompts}) > 1
-        v0, a0 = engine.stats.verify_ct, engine.stats.accepted_sum
-        res = engine.generate(prompts, [SamplingParams(max_new_tokens=NEW)] * len(prompts))
-        v, a = engine.stats.verify_ct - v0, engine.stats.accepted_sum - a0
-        out[name] = ([r.output_ids for r in res], a / v if v else 1.0)
-    return out
+pytestmark = pytest.mark.usefixtures("tiny_one_thread")
 
 
 @pytest.mark.parametrize("name", ["DFLASH", "DDTREE16", "DDTREE64"])
 def test_speculative_greedy_is_token_identical_to_ar(greedy, name: str) -> None:
-    ar, _ = greedy["AR"]
-    spec, _ = greedy[name]
-    assert all(len(o) == NEW for o in spec)
-    assert spec == ar
+    check_greedy_equals_ar(greedy, name, NEW)
 
 
 def test_batch_results_equal_single_request_results(engines, greedy) -> None:
@@ -75,13 +39,7 @@ def test_acceptance_is_real_and_below_the_block(engines, greedy) -> None:
     assert 2.0 <= tree16 <= 16 and 1.5 <= dflash <= 16 and tree64 <= 16, (tree16, dflash, tree64)
     # Bigger trees accept at least as much as smaller ones and the chain, compared where that is
     # certain: one round from the same states (every prefix of each prompt's greedy output).
-    enc = engines["AR"].tokenizer.encode
-    states = [enc(p) + out[:k] for p, out in zip(LAB_PROMPTS, greedy["AR"][0], strict=True)
-              for k in range(0, NEW, 6)]
-    chain, t16, t64 = (first_round_emits(engines[n], states) for n in ("DFLASH", "DDTREE16", "DDTREE64"))
-    assert all(1 <= n <= 16 for n in chain + t16 + t64)
-    assert all(b >= a for a, b in zip(t16, t64, strict=True)), (t16, t64)
-    assert all(t >= 2 for c, t in zip(chain, t16, strict=True) if c >= 2), (chain, t16)
+    check_trees_against_the_chain(engines, greedy["AR"][0], NEW)
 
 
 def test_per_request_accounting(engines) -> None:

@@ -13,43 +13,17 @@ import torch
 
 from ddtree_runtime.tiny_engine.engine import SamplingParams, TinyEngine
 from ddtree_runtime.tiny_engine.language import LAB_PROMPTS
-from tests.unit._tiny_engine import first_round_emits, lab_models, one_thread
+from tests.unit._tiny_engine import check_greedy_equals_ar, check_trees_against_the_chain, lab_models
 
 NEW = 40
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("tiny_one_thread")
 
 
 @pytest.fixture(scope="module")
-def models(_one_thread) -> Path:
+def models(tiny_one_thread: None) -> Path:
     return lab_models("hybrid")
-
-
-@pytest.fixture(scope="module")
-def engines(models: Path) -> dict[str, TinyEngine]:
-    t, d = models / "target", models / "draft"
-    return {
-        "AR": TinyEngine(t),
-        "DFLASH": TinyEngine(t, d, algorithm="DFLASH"),
-        "DDTREE16": TinyEngine(t, d, algorithm="DDTREE", budget=16),
-        "DDTREE64": TinyEngine(t, d, algorithm="DDTREE", budget=64),
-    }
-
-
-@pytest.fixture(scope="module")
-def greedy(engines) -> dict[str, tuple[list[list[int]], float]]:
-    out = {}
-    for name, engine in engines.items():
-        prompts = [engine.tokenizer.encode(p) for p in LAB_PROMPTS]
-        v0, a0 = engine.stats.verify_ct, engine.stats.accepted_sum
-        res = engine.generate(prompts, [SamplingParams(max_new_tokens=NEW)] * len(prompts))
-        v, a = engine.stats.verify_ct - v0, engine.stats.accepted_sum - a0
-        out[name] = ([r.output_ids for r in res], a / v if v else 1.0)
-    return out
 
 
 def test_the_pair_is_a_qwen35_style_hybrid(engines, models: Path) -> None:
@@ -67,10 +41,7 @@ def test_the_pair_is_a_qwen35_style_hybrid(engines, models: Path) -> None:
 
 @pytest.mark.parametrize("name", ["DFLASH", "DDTREE16", "DDTREE64"])
 def test_speculative_greedy_is_token_identical_to_ar(greedy, name: str) -> None:
-    ar, _ = greedy["AR"]
-    spec, _ = greedy[name]
-    assert all(len(o) == NEW for o in spec)
-    assert spec == ar
+    check_greedy_equals_ar(greedy, name, NEW)
 
 
 def test_the_distilled_drafter_is_accepted_and_trees_beat_the_chain(engines, greedy) -> None:
@@ -78,13 +49,7 @@ def test_the_distilled_drafter_is_accepted_and_trees_beat_the_chain(engines, gre
     dflash = greedy["DFLASH"][1]
     assert dflash >= 1.5, dflash
     # Trees against the chain where the comparison is certain: one round from the same states.
-    enc = engines["AR"].tokenizer.encode
-    states = [enc(p) + out[:k] for p, out in zip(LAB_PROMPTS, greedy["AR"][0], strict=True)
-              for k in range(0, NEW, 6)]
-    chain, t16, t64 = (first_round_emits(engines[n], states) for n in ("DFLASH", "DDTREE16", "DDTREE64"))
-    assert all(1 <= n <= 16 for n in chain + t16 + t64)
-    assert all(b >= a for a, b in zip(t16, t64, strict=True)), (t16, t64)
-    assert all(t >= 2 for c, t in zip(chain, t16, strict=True) if c >= 2), (chain, t16)
+    check_trees_against_the_chain(engines, greedy["AR"][0], NEW)
 
 
 def test_requests_joining_a_running_batch_decode_exactly(engines, greedy) -> None:

@@ -17,18 +17,8 @@ from ddtree_runtime.tiny_engine.engine import SamplingParams, TinyEngine
 from ddtree_runtime.tiny_engine.language import LAB_PROMPTS
 from ddtree_runtime.tiny_engine.make import make_models
 from ddtree_runtime.tiny_engine.tokenizer import EOS_TOKEN_ID, MASK_TOKEN_ID, TinyTokenizer
-from tests.unit._tiny_engine import lab_models, one_thread
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with one_thread():
-        yield
-
-
-@pytest.fixture(scope="module")
-def models(_one_thread) -> Path:
-    return lab_models()
+pytestmark = pytest.mark.usefixtures("tiny_one_thread")
 
 
 def _tensors(path: Path) -> dict[str, tuple[list[int], str]]:

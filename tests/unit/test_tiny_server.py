@@ -19,13 +19,9 @@ from ddtree_runtime.tiny_engine.engine import SamplingParams, TinyEngine
 from ddtree_runtime.tiny_engine.language import LAB_PROMPTS
 from ddtree_runtime.tiny_engine.server_args import memory_plan
 from ddtree_runtime.tiny_engine.tokenizer import TinyTokenizer
-from tests.unit._tiny_engine import TinyServerProcess, http, lab_models, one_thread
+from tests.unit._tiny_engine import TinyServerProcess, http, one_thread
 
-
-@pytest.fixture(scope="module")
-def models() -> Path:
-    with one_thread():
-        return lab_models()
+pytestmark = pytest.mark.usefixtures("tiny_one_thread")
 
 
 def _args(models: Path, *extra: str, algo: str = "DDTREE", draft: str = "draft") -> list[str]:
