@@ -76,12 +76,13 @@ def _runtime_version(lab: LabHandle, host: str, port: int = 30000) -> str:
 
 
 def _build_id(source: Path) -> str:
-    """The release id the runtime role will give this checkout (its own build script, the lab's pins)."""
+    """The release id the runtime role will give this checkout (its build, as the role runs it, the lab's
+    pins)."""
     group = yaml.safe_load((REPO / "inventories/lab/group_vars/all.yml").read_text())
     pins = group["ddtree_runtime_packages"] + group["ddtree_runtime_nodeps_packages"]
-    script = REPO / "roles/ddtree_runtime/files/build_release.py"
-    argv = [sys.executable, str(script), "--source", str(source), "--out", str(REPO / ".whl")]
-    proc = subprocess.run([*argv, *[f"--pin={p}" for p in pins]], capture_output=True, text=True,
+    argv = [sys.executable, "-m", "ddtree_runtime.ops.build_release", "--source", str(source),
+            "--out", str(REPO / ".whl")]  # fmt: skip
+    proc = subprocess.run([*argv, *[f"--pin={p}" for p in pins]], cwd=REPO, capture_output=True, text=True,
                           timeout=600, check=True)  # fmt: skip
     return json.loads(proc.stdout)["release_id"]
 

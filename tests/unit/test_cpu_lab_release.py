@@ -15,7 +15,8 @@ from pathlib import Path
 
 from tests.unit._ansible import BIN, PLAYBOOKS, REPO, playbook, tool_env
 
-BUILD = REPO / "roles/ddtree_runtime/files/build_release.py"
+# The runtime role runs it as `python -m` in the controller environment (the checkout first on the path).
+BUILD = ["-m", "ddtree_runtime.ops.build_release"]
 LAYER = REPO / "scripts/lab/sglang-cpu-lab"
 # The GPU lab's layer (scripts/lab/sglang-gpu-lab/) is lab-only too: only scripts/lab/gpu/device.sh
 # installs it.
@@ -24,9 +25,9 @@ BASE = REPO / "scripts/lab/sglang-lab-base"
 
 
 def build(out: Path, *extra: str) -> dict:
-    cmd = [sys.executable, str(BUILD), "--source", str(REPO), "--out", str(out), "--pin=sglang==0.5.23"]
+    cmd = [sys.executable, *BUILD, "--source", str(REPO), "--out", str(out), "--pin=sglang==0.5.23"]
     cmd += extra
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 

@@ -12,7 +12,8 @@ import pytest
 
 from tests.unit._ansible import REPO
 
-BUILD = REPO / "roles/ddtree_runtime/files/build_release.py"
+# The runtime role runs it as `python -m` in the controller environment (the checkout first on the path).
+BUILD = ["-m", "ddtree_runtime.ops.build_release"]
 
 
 @pytest.fixture
@@ -29,8 +30,8 @@ def checkout(tmp_path) -> Path:
 
 
 def build(src: Path, out: Path, *pins: str) -> dict:
-    cmd = [sys.executable, str(BUILD), "--source", str(src), "--out", str(out), *(f"--pin={p}" for p in pins)]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    cmd = [sys.executable, *BUILD, "--source", str(src), "--out", str(out), *(f"--pin={p}" for p in pins)]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
@@ -56,8 +57,8 @@ def test_changed_code_or_pins_name_a_new_release(checkout, tmp_path):
 
 
 def test_not_a_checkout_is_refused(tmp_path):
-    cmd = [sys.executable, str(BUILD), "--source", str(tmp_path), "--out", str(tmp_path / "o")]
-    result = subprocess.run(cmd, capture_output=True, text=True)
+    cmd = [sys.executable, *BUILD, "--source", str(tmp_path), "--out", str(tmp_path / "o")]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     assert result.returncode != 0
     assert "no pyproject.toml" in result.stderr
 

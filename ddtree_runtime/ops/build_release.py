@@ -1,6 +1,8 @@
 """Build the ddtree-runtime wheel from a checkout and name the release by its content.
 
-Runs on the controller. The checkout's package sources are copied to a scratch directory (the
+Runs on the controller: the runtime role runs ``python -m ddtree_runtime.ops.build_release`` with the
+playbook's interpreter in ``ddtree_controller_env``, as every controller task runs ours. Standard library
+only. The checkout's package sources are copied to a scratch directory (the
 checkout stays clean, concurrent builds do not share a build/ folder) and built with
 SOURCE_DATE_EPOCH fixed. The release id hashes the wheel's RECORD (a sha256 per file, so the
 files' content and nothing else) plus the pinned requirements: the same checkout and pins give
