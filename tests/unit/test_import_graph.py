@@ -1,6 +1,7 @@
-"""The package's import graph: no two modules import each other (the last circles were untangled in
-December 2026), the host side never imports the controller side, and each floor imports only the floors
-below it (core at the bottom; health and the input rules on core; the engines on core).
+"""The package's import graph, as docs/architecture.md draws it ("The floors"): no two modules import each
+other (the last circles were untangled in December 2026), the host side never imports the controller side,
+and each floor imports only the floors below it (core at the bottom; health and the input rules on core; the
+engines on core). The page's table and FLOORS below are checked against each other.
 
 Read statically (every `import` statement, also those inside functions: a lazy import is still a
 dependency), so the test sees circles that only bite at run time.
@@ -40,7 +41,7 @@ FLOORS: dict[str, tuple[str, ...]] = {
 SHIPPED_ALONE = (f"{PACKAGE}.core.model_files",)
 ROLES = ROOT.parent / "roles"
 
-# Circles still to untangle (ARCHITECTURE: "untangle one when you work in its rooms"). Shrink only.
+# Circles still to untangle (docs/architecture.md: untangled when someone works in its rooms). Shrink only.
 KNOWN_CIRCLES: set[frozenset[str]] = set()
 # Host-side modules that still reach into the controller side (each one a circle above too).
 KNOWN_HOST_TO_CONTROLLER: set[tuple[str, str]] = set()
@@ -145,6 +146,31 @@ def test_each_floor_imports_only_the_floors_below(module: str) -> None:
     bad = {t for t in import_graph()[module]
            if t != PACKAGE and not any(t == a or t.startswith(a + ".") for a in allowed)}  # fmt: skip
     assert not bad, f"{module} ({floor}) may import only {sorted(allowed)}, imports {sorted(bad)}"
+
+
+ARCHITECTURE = ROOT.parent / "docs" / "architecture.md"
+
+
+def _documented_floors() -> dict[str, set[str] | None]:
+    """docs/architecture.md's floors table: folder -> the floors it may import (None: any floor)."""
+    text = ARCHITECTURE.read_text()
+    section = text[text.index("## The floors") :]
+    section = section[: section.index("\n## ", 1)]
+    floors: dict[str, set[str] | None] = {}
+    for row in re.findall(r"^\| `(\w+)/` \|.*\| ([^|]+) \|$", section, re.M):
+        folder, may = row
+        floors[f"{PACKAGE}.{folder}"] = None if "any floor" in may else {
+            f"{PACKAGE}.{name}" for name in re.findall(r"`(\w+)`", may)}  # fmt: skip
+    return floors
+
+
+def test_the_architecture_page_draws_these_floors() -> None:
+    documented = _documented_floors()
+    assert documented, f"{ARCHITECTURE} has no floors table"
+    drawn = {floor: allowed for floor, allowed in documented.items() if allowed is not None}
+    assert drawn == {floor: set(allowed) for floor, allowed in FLOORS.items()}, (
+        "docs/architecture.md's floors and FLOORS here differ: change both")
+    assert {floor for floor, allowed in documented.items() if allowed is None} == set(CONTROLLER)
 
 
 def test_floor_rule_sees_a_reach_upwards() -> None:
