@@ -44,7 +44,9 @@ def _graphs(cfg, kv, *, sizes, vocab, max_bs=8):
 def _decode(prompts, n_tokens, *, graphs_sizes=None, stop=None, page_size=1, temperatures=None):
     """Decode every prompt to ``n_tokens`` with the tree round, eagerly or through bucket stages;
     the batch shrinks as requests finish (so it moves between buckets)."""
-    target, models, rows, _allocated, _allocator, _start, bonus, cfg, kv = _setup(prompts, page_size=page_size)
+    target, models, rows, _allocated, _allocator, _start, bonus, cfg, kv = _setup(
+        prompts, page_size=page_size
+    )
     graphs = None
     if graphs_sizes is not None:
         graphs = _graphs(cfg, kv, sizes=graphs_sizes, vocab=target.vocab)
@@ -83,7 +85,9 @@ PROMPTS = [[1, 4, 2], [5, 3, 3, 7, 0, 9, 2], [8, 1, 6, 6, 2, 0, 4, 10, 3, 5, 7, 
 def test_bucket_stages_emit_the_targets_greedy_tokens_as_the_eager_round_does(page_size):
     # 3 requests run in bucket 4 (one padded row), then 2 in bucket 2, then 1 in bucket 1
     eager, *_ = _decode(PROMPTS, 24, page_size=page_size)
-    staged, models, rows, lens, staged_rounds = _decode(PROMPTS, 24, graphs_sizes=[1, 2, 4], page_size=page_size)
+    staged, models, rows, lens, staged_rounds = _decode(
+        PROMPTS, 24, graphs_sizes=[1, 2, 4], page_size=page_size
+    )
     assert staged_rounds > 0
     assert staged == eager
     for r, (p, got) in enumerate(zip(PROMPTS, staged, strict=True)):
@@ -138,7 +142,9 @@ def test_stop_tokens_cut_the_round_inside_the_bucket_and_wide_stop_sets_run_eage
 def test_sampled_rounds_take_the_plan_stage_and_walk_eagerly():
     torch.manual_seed(0)
     staged, models, *_ = _decode(PROMPTS[:2], 16, graphs_sizes=[2], temperatures=[0.0, 0.0])
-    assert staged == [models.target.reference_greedy(p, len(o)) for p, o in zip(PROMPTS[:2], staged, strict=True)]
+    assert staged == [
+        models.target.reference_greedy(p, len(o)) for p, o in zip(PROMPTS[:2], staged, strict=True)
+    ]
 
 
 def test_tree_mask_cells_are_the_flat_masks_tree_cells_and_nothing_else():
@@ -155,7 +161,7 @@ def test_tree_mask_cells_are_the_flat_masks_tree_cells_and_nothing_else():
     # exactly the tree cells (b * rows * rows), none in a prefix or past the batch
     tree_cells = torch.zeros(cells + 50, dtype=torch.bool)
     start = 0
-    for r, p in enumerate(prefix.tolist()):
+    for p in prefix.tolist():
         for i in range(rows):
             tree_cells[start + i * (p + rows) + p : start + i * (p + rows) + p + rows] = True
         start += rows * (p + rows)

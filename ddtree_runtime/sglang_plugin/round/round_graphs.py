@@ -292,6 +292,15 @@ class RoundGraphs:
         return self.buckets[min(fits)] if fits else None
 
 
+def warm_eager_moves(kv_pool: Any, steps: int, max_bs: int, device: torch.device) -> None:
+    """Compile SGLang's ``move_kv_cache`` for every batch a sampled (T > 0) round moves eagerly:
+    ``b * (L + 1)`` entries specialise it (a power-of-two bucket), so a first sampled round at a new
+    batch size would compile under traffic. 0 -> 0 moves: SGLang's dummy slot, no data changes."""
+    for b in range(1, max_bs + 1):
+        zeros = torch.zeros(b * steps, dtype=torch.long, device=device)
+        kv_pool.move_kv_cache(zeros, zeros)
+
+
 # Set to 0 to run every tree round eagerly (the round as it was before its graphs).
 ENV_SWITCH = "SGLANG_DDTREE_ROUND_GRAPHS"
 
@@ -337,5 +346,6 @@ def round_graphs_for_worker(worker: Any, cfg: RoundConfig) -> RoundGraphs | None
     )
     graphs = RoundGraphs(spec, mask.buffer.device)
     built = graphs.build(sizes)
+    warm_eager_moves(runner.token_to_kv_pool, cfg.block_size, max(built, default=0), mask.buffer.device)
     logger.info("DDTREE: tree-round graphs captured for batch sizes %s in %.1f s", built, graphs.seconds)
     return graphs
