@@ -25,7 +25,8 @@ The modules, as a reader of SGLang's ``srt/speculative/`` looks for them (``dfla
   walk in SGLang's layout), ``tree_commit`` (the accepted KV into SGLang's pools), ``hybrid_state``
   (Gated DeltaNet targets' state scratch and commit), ``bounds`` (host sizes from the scheduler's
   bounds, never the device), ``draft_head`` (the drafter's per-depth distribution,
-  vocabulary-parallel too);
+  vocabulary-parallel too), ``round_graphs`` (the round's stages between the drafter and the verify
+  and after it, as CUDA graphs per batch size);
 * ``check``: ``python -m ddtree_runtime.sglang_plugin.check``, is DDTREE registered here?
 """
 
