@@ -82,6 +82,7 @@ def test_replayed_buckets_match_the_same_stages_run_eagerly(budget):
     graphed = _graphs(cfg, capture=True, sizes=sizes)
     compiled = _compiled_kernels()
     eager = _graphs(cfg, capture=False, sizes=sizes)
+    graphed.spec.mask_buffer.zero_()  # the capture's warm-up wrote cells; the rounds below compare
     gen = torch.Generator(device=DEV).manual_seed(budget)
     stops = None
     for round_no, b in enumerate([3, 1, 8, 5, 2, 4, 4]):

@@ -168,3 +168,22 @@ def test_tree_mask_cells_are_the_flat_masks_tree_cells_and_nothing_else():
         assert full[start - rows * (p + rows) : start].view(rows, p + rows)[:, :p].all()
     assert torch.equal(written[tree_cells].bool(), full[tree_cells[:cells]])
     assert (written[~tree_cells] == 7).all()
+
+
+def test_what_sglang_reads_from_a_staged_round_is_contiguous():
+    """SGLang's kernels read some of a round's outputs by raw pointer with stride 1 (the hybrid
+    state commit reads commit_lens so): a strided view of a packed buffer read every request's
+    count from the wrong place at batch > 1 (found on the H100, hybrid pair, batch 4)."""
+    target, models, rows, *_rest, bonus, cfg, kv = _setup(PROMPTS)
+    graphs = _graphs(cfg, kv, sizes=[4], vocab=target.vocab)
+    models.prefix_always_visible = True
+    inp = RoundInput(
+        req_pool_indices=torch.tensor(rows),
+        prefix_lens=torch.tensor([len(p) for p in PROMPTS]),
+        bonus_tokens=torch.tensor(bonus),
+        mask_cells=cfg.verify_rows * (sum(len(p) for p in PROMPTS) + cfg.verify_rows * 3),
+    )
+    res = run_tree_round(models, inp, cfg, req_to_token=models.req_to_token, kv_pool=kv, graphs=graphs)
+    for name in ("out_tokens", "commit_lens", "new_seq_lens", "bonus_tokens", "accept_length"):
+        assert getattr(res, name).is_contiguous(), name
+    assert res.accept.accept_index.is_contiguous()
