@@ -397,9 +397,9 @@ def run_prod(models: Path, log_dir: Path) -> None:
                 row.pop("ids", None)
                 emit({"case": "prod_summary", "server": spec.name, "concurrency": level, **row})
             levels = os.environ.get("DDTREE_GPU_LAB_PROFILE_LEVELS", "")  # "none": no profile
-            wanted = tuple(int(x) for x in levels.split()) or PROD_PROFILE_LEVELS
-            if levels.strip() == "none":
-                wanted = ()
+            wanted: tuple[int, ...] = ()
+            if levels.strip() != "none":
+                wanted = tuple(int(x) for x in levels.split()) or PROD_PROFILE_LEVELS
             for level in wanted:
                 report = profile_round(server, log_dir / "profiles" / f"{spec.name}-c{level}", level)
                 emit({"case": "prod_profile", "server": spec.name, "concurrency": level, **report})
