@@ -52,6 +52,18 @@ async def _drain(generator: Any) -> None:
 
 
 async def ddtree_batches(disaggregation_mode: str, tokenizer_manager: Any) -> None:
+    """Never stops a start: a warm-up that fails leaves the compiles to the first traffic, logged."""
+    try:
+        await _warm_batches(disaggregation_mode, tokenizer_manager)
+    except Exception as exc:  # a warm-up must not fail the server's start
+        logger.warning(
+            "DDTREE warm-up did not finish (%s: %s); kernels compile on first traffic",
+            type(exc).__name__,
+            exc,
+        )
+
+
+async def _warm_batches(disaggregation_mode: str, tokenizer_manager: Any) -> None:
     from sglang.srt.managers.io_struct import GenerateReqInput
 
     try:
