@@ -166,3 +166,25 @@ def test_a_budget_above_the_gpu_validated_one_starts_with_a_warning_naming_the_e
     warnings.clear()
     resolve(ddtree_argv(*pair, "--speculative-ddtree-budget", "32"))
     assert not any("above 32" in w for w in warnings), warnings
+
+
+def test_tree_servers_on_cuda_warm_every_batch_size_before_they_say_ready(sglang_plugins, pair):
+    """The plugin adds its start-up warm-up (sglang_plugin/warmup.py) after the operator's own, on
+    CUDA with graphs; not without graphs, not for the chain (DFLASH's own decode). The CPU lab's
+    servers (device cpu) never get it: tests/unit/test_plugin_warmup.py."""
+    _, cfg = resolve(ddtree_argv(*pair, "--device", "cuda", "--warmups", "voice_chat"))
+    assert cfg.warmups == "voice_chat,ddtree_batches"
+    _, no_graphs = resolve(ddtree_argv(*pair, "--device", "cuda", "--disable-cuda-graph"))
+    assert "ddtree_batches" not in (no_graphs.warmups or "")
+    _, chain = resolve(
+        ddtree_argv(
+            *pair,
+            "--device",
+            "cuda",
+            "--speculative-ddtree-topk-cap",
+            "1",
+            "--speculative-ddtree-budget",
+            "15",
+        )
+    )
+    assert "ddtree_batches" not in (chain.warmups or "")
