@@ -6,11 +6,7 @@ import fcntl
 import hashlib
 import json
 import os
-import signal
-import subprocess
-import sys
 import tempfile
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -119,57 +115,6 @@ def free_port() -> int:
     host's test processes until this one ends (a bind(0) port is free only until someone binds it)."""
     _HELD.append(lease_ports(1))
     return _HELD[-1].ports[0]
-
-
-class TinyServerProcess:
-    """`ddtree tiny-engine serve ...` as a child process, its log in a file."""
-
-    def __init__(self, args: list[str], *, env: dict[str, str] | None = None, tmp: Path) -> None:
-        self.lease = lease_ports(1)  # held until stop(): servers started side by side never share one
-        self.port = self.lease.ports[0]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = tmp / f"serve-{self.port}.log"
-        full_env = {k: v for k, v in os.environ.items() if not k.startswith("DDTREE_LAB_")}
-        full_env.update({"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})})
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "ddtree_runtime", "tiny-engine", "serve", *args,
-                 "--port", str(self.port)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=full_env,
-            )
-
-    @property
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    def wait_ready(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited {self.proc.returncode} before ready:\n{self.log}")
-            if "The server is fired up and ready to roll!" in self.log:
-                return
-            time.sleep(0.1)
-        raise AssertionError(f"server not ready in {timeout}s:\n{self.log}")
-
-    def wait_exit(self, timeout: float = 60) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired as exc:
-            self.stop()
-            raise AssertionError(f"server still running after {timeout}s:\n{self.log}") from exc
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.lease.release()
 
 
 def http(url: str, payload: dict | bytes | None = None, *, timeout: float = 60) -> tuple[int, bytes]:

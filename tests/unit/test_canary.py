@@ -22,7 +22,8 @@ import pytest
 from ddtree_runtime.health import canary
 from ddtree_runtime.health.canary import Answer, CanaryInputError, Side, SideUnavailable, Thresholds
 from tests.sglang._agreeing_pair import write_agreeing_pair
-from tests.unit._tiny_engine import TinyServerProcess, free_port, lab_models
+from tests.unit._tiny_engine import free_port, lab_models
+from tests.unit._tiny_server import TinyServerProcess
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 LIVE_BUDGET, SHADOW_BUDGET = 16, 12

@@ -25,7 +25,8 @@ from typing import Any
 
 import pytest
 
-from tests.unit._tiny_engine import TinyServerProcess, http
+from tests.unit._tiny_engine import http
+from tests.unit._tiny_server import TinyServerProcess
 
 CONTEXT = 4096
 PROMPT = "the cat"

@@ -20,7 +20,8 @@ LAYERS = {
     "ddtree_sglang_gpu_lab": ROOT / "scripts/lab/sglang-gpu-lab/ddtree_sglang_gpu_lab",
 }
 # Who starts the real SGLang server: through the base's harness only.
-HARNESS_USERS = (ROOT / "tests/sglang/_real_server.py", LAYERS["ddtree_sglang_gpu_lab"] / "server.py")
+HARNESS_USERS = (ROOT / "tests/sglang/_real_server.py", LAYERS["ddtree_sglang_gpu_lab"] / "server.py",
+                 ROOT / "tests/unit/_tiny_server.py")
 # The base's machinery: defined there, never again in a layer.
 SHARED = {
     "Seam", "SeamMoved", "Seams", "Refused", "UnknownFault", "MissingOp", "StandinModule", "StandinPackage",
@@ -139,12 +140,13 @@ def test_each_installed_layer_binds_the_bases_mechanism(package, read):
     assert importlib.import_module(package).PINNED_SGLANG_VERSION == base.PINNED_SGLANG_VERSION
 
 
-def test_both_real_server_harnesses_are_the_bases():
+def test_every_server_harness_is_the_bases():
     pytest.importorskip("ddtree_sglang_gpu_lab")
     pytest.importorskip("yaml")
     from ddtree_sglang_gpu_lab.server import GpuServer
     from ddtree_sglang_lab_base.server import ServerProcess
 
     from tests.sglang._real_server import RealServer
+    from tests.unit._tiny_server import TinyServerProcess
 
-    assert issubclass(GpuServer, ServerProcess) and issubclass(RealServer, ServerProcess)
+    assert all(issubclass(c, ServerProcess) for c in (GpuServer, RealServer, TinyServerProcess))

@@ -19,7 +19,8 @@ from ddtree_runtime.health import diagnose
 from ddtree_runtime.health.probe_live import live_probe
 from ddtree_runtime.health.probe_report import EXIT_FAILED, EXIT_NOT_READY, EXIT_PASS
 from ddtree_runtime.health.probe_static import static_probe
-from tests.unit._tiny_engine import TinyServerProcess, contrary_drafter
+from tests.unit._tiny_engine import contrary_drafter
+from tests.unit._tiny_server import TinyServerProcess
 
 
 def _serve_args(models: Path, *extra: str, draft: str = "draft") -> list[str]:

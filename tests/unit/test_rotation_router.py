@@ -23,7 +23,8 @@ import yaml
 from ddtree_runtime.ops import canary_traffic
 from tests.unit._ansible import PLAYBOOKS, REPO, tool_env
 from tests.unit._router_metrics import ROUTER_METRICS
-from tests.unit._tiny_engine import TinyServerProcess, free_port, http, lab_models
+from tests.unit._tiny_engine import free_port, http, lab_models
+from tests.unit._tiny_server import TinyServerProcess
 
 # `make venv` puts the router in a venv of its own, as the role does on a router host.
 SMG = Path(sys.executable).parent.parent / "router" / "bin" / "smg"

@@ -112,7 +112,7 @@ def test_served_hybrid_pair_passes_the_live_probe_reporting_it_hybrid(models: Pa
     from ddtree_runtime.health.probe_live import live_probe
     from ddtree_runtime.health.probe_report import EXIT_PASS
     from ddtree_runtime.health.probe_static import static_probe
-    from tests.unit._tiny_engine import TinyServerProcess
+    from tests.unit._tiny_server import TinyServerProcess
 
     static = static_probe(str(models / "target"), str(models / "draft"))
     assert static.ok and static.handshake["target_hybrid"] is True and "hybrid target" in static.message

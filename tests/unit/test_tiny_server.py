@@ -19,7 +19,8 @@ from ddtree_runtime.tiny_engine.engine import SamplingParams, TinyEngine
 from ddtree_runtime.tiny_engine.language import LAB_PROMPTS
 from ddtree_runtime.tiny_engine.server_args import memory_plan
 from ddtree_runtime.tiny_engine.tokenizer import TinyTokenizer
-from tests.unit._tiny_engine import TinyServerProcess, http, one_thread
+from tests.unit._tiny_engine import http, one_thread
+from tests.unit._tiny_server import TinyServerProcess
 
 pytestmark = pytest.mark.usefixtures("tiny_one_thread")
 

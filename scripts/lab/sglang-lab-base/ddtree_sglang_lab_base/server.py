@@ -1,5 +1,6 @@
 """The real SGLang server as a process: the one harness of the CPU suites (``tests/sglang/_real_server.py``)
-and the GPU lab (``ddtree_sglang_gpu_lab.server``, its suite and its ``cases``).
+and the GPU lab (``ddtree_sglang_gpu_lab.server``, its suite and its ``cases``); the unit tests' tiny-engine
+server (``tests/unit/_tiny_server.py``) is the same harness with another command.
 
 ``python -m sglang.launch_server`` with the caller's flags, on two leased ports (``--port`` and
 ``--nccl-port``, held until the server is stopped: SGLang's own draw of the distributed-init port let
@@ -55,10 +56,15 @@ def profile_flags(profiles: Path, profile: str) -> dict[str, Any]:
 
 class ServerProcess:
     """One ``python -m sglang.launch_server``; its log in ``log_dir/<name>.log`` (``sglang-<port>`` when
-    no name is given)."""
+    no name is given). A subclass may start another server that prints SGLang's ready line (``command``,
+    ``ports``)."""
 
     ready_timeout: float = 420  # seconds from start to SGLang's ready line
     stop_grace: float = 20  # seconds the launcher has after SIGTERM before SIGKILL
+    ports: int = 2  # leased: the HTTP port, then SGLang's torch.distributed port
+    poll_s: float = 0.5  # between two looks at the log while waiting
+    name_prefix: str = "sglang"
+    what: str = "SGLang"  # the server's name in a failure
 
     def __init__(
         self,
@@ -73,15 +79,11 @@ class ServerProcess:
         """``args`` after ``-m sglang.launch_server`` (the harness adds the metrics, host and ports);
         the child's environment is this process's without the variables starting with one of
         ``drop_env``, then ``env``."""
-        self.lease = lease_ports(2)
-        self.port, self.nccl_port = self.lease.ports
+        self.lease = lease_ports(self.ports)
+        self.port, *self.extra_ports = self.lease.ports
         self.url = f"http://127.0.0.1:{self.port}"
-        self.name = name or f"sglang-{self.port}"
-        self.argv = [
-            sys.executable, "-m", "sglang.launch_server", *args,
-            "--enable-metrics", "--host", "127.0.0.1", "--port", str(self.port),
-            "--nccl-port", str(self.nccl_port),
-        ]  # fmt: skip
+        self.name = name or f"{self.name_prefix}-{self.port}"
+        self.argv = self.command(args)
         self.log_path = log_dir / f"{self.name}.log"
         child_env = {k: v for k, v in os.environ.items() if not k.startswith(drop_env)}
         child_env.update(env)
@@ -93,12 +95,25 @@ class ServerProcess:
                 self.argv, stdout=log, stderr=subprocess.STDOUT, env=child_env, cwd=cwd
             )
 
+    def command(self, args: Sequence[str]) -> list[str]:
+        """The child's argv: ``args`` after ``-m sglang.launch_server``, then the metrics, host and ports."""
+        return [
+            sys.executable, "-m", "sglang.launch_server", *args,
+            "--enable-metrics", "--host", "127.0.0.1", "--port", str(self.port),
+            "--nccl-port", str(self.nccl_port),
+        ]  # fmt: skip
+
+    @property
+    def nccl_port(self) -> int:
+        """SGLang's torch.distributed port (``--nccl-port``), leased with the HTTP port."""
+        return self.extra_ports[0]
+
     @property
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
     def _failed(self, what: str) -> ServerFailed:
-        return ServerFailed(f"{self.name}: SGLang {what}:\n{self.log[-LOG_TAIL:]}")
+        return ServerFailed(f"{self.name}: {self.what} {what}:\n{self.log[-LOG_TAIL:]}")
 
     def wait_ready(self, timeout: float | None = None) -> float:
         """Seconds from start to ready; ServerFailed with the log's tail when the server exits first or
@@ -111,7 +126,7 @@ class ServerProcess:
                 return self.ready_seconds
             if self.proc.poll() is not None:
                 raise self._failed(f"exited {self.proc.returncode} before ready")
-            time.sleep(0.5)
+            time.sleep(self.poll_s)
         self.stop()
         raise self._failed(f"not ready in {timeout:g} s")
 
