@@ -183,6 +183,27 @@ def test_bad_input_is_refused_before_anything_changes(tmp_path: Path, extra: dic
     assert "a-control-key" not in res.stdout  # the key never shows
 
 
+def test_check_mode_on_a_fresh_router_host_passes_and_changes_nothing(tmp_path: Path) -> None:
+    """`ansible-playbook ansible/router.yml --check` on a host the role never ran on (issue 42, item 6: its
+    files go into directories the role creates; in --check those do not exist yet). The host is this
+    machine with every path the role writes moved under tmp_path."""
+    host = tmp_path / "host"
+    paths = {"sglang_router_root": host / "opt", "sglang_router_unit_dir": host / "unit",
+             "sglang_router_env_dir": host / "etc", "sglang_router_state_dir": host / "state"}  # fmt: skip
+    res = playbook(REPO / "ansible/router.yml", "--check", "--diff", "-c", "local",
+                   "-e", json.dumps({"router_hosts": "localhost", "ansible_become": False,
+                                     "ansible_python_interpreter": sys.executable,
+                                     **{k: str(v) for k, v in paths.items()}}))  # fmt: skip
+    assert res.returncode == 0, res.stdout[-4000:]
+    assert not host.exists(), sorted(str(p) for p in host.rglob("*"))  # --check changed nothing
+    # What a real run would write is reported as a change, not skipped.
+    for task in ("Install the launcher", "Render the router unit", "Render the environment file",
+                 "Start the rotation file empty"):  # fmt: skip
+        said = res.stdout[res.stdout.index(f"TASK [sglang_router : {task}") :]
+        outcome = re.search(r"^(changed|ok|skipping|fatal): \[localhost\]", said, re.M)
+        assert outcome and outcome.group(1) == "changed", said[:600]
+
+
 def test_rotation_fallbacks_equal_the_router_defaults() -> None:
     router = yaml.safe_load((REPO / "roles/sglang_router/defaults/main.yml").read_text())
     rotation = yaml.safe_load((REPO / "roles/sglang_rotation/vars/main.yml").read_text())
