@@ -6,17 +6,24 @@ Qwen3.6-27B-shaped: configs plus header-only safetensors (every tensor's shape, 
 hundred KB), copied to the host, so the planner reads on the host what it would read for the real
 checkpoint. The "fits" verdict runs in every lab deploy (the lab's models on the declared GPUs;
 test_deploy_rollout's --check run asserts the plan is shown).
+
+Each test sets up what its play reads before the plan (issue 42: run alone on a fresh lab, the canary
+stopped at the play's first check): the wheelhouse the runtime role's preflight checks, the model files,
+and for the canary live's deployed state, recorded as the service role records it.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.fixtures_models import write_full_checkpoint_pair
+from tests.lab.conftest import REPO
 
 # In a parallel run, one worker runs this module with the rest of tests/conftest.py's lab-engine group, in
 # file order on one lab: they share what a module deploys on ct129/ct130 (build A installs once).
@@ -29,8 +36,12 @@ WATCHED = ("/etc/systemd/system/sglang-qwen.service", "/etc/sglang/sglang-qwen.e
            "/etc/systemd/system/sglang-qwen-shadow.service")
 
 
+PROFILES = REPO / "roles/sglang_service/vars/profiles.yml"
+
+
 @pytest.fixture(scope="module")
-def big_models(lab, tmp_path_factory) -> tuple[str, str]:
+def big_models(lab, wheelhouse, tmp_path_factory) -> tuple[str, str]:
+    """The model files on the host; the wheelhouse filled (each play's runtime preflight checks it)."""
     target, draft = write_full_checkpoint_pair(tmp_path_factory.mktemp("qwen36"), "qwen3.6-27b")
     for local, name in ((target, "target"), (draft, "draft")):
         proc = lab.ansible(HOST, "-m", "ansible.builtin.copy", "-a",
@@ -75,29 +86,41 @@ def test_deploy_refuses_a_profile_that_does_not_fit_before_touching_the_host(lab
     print(json.dumps({"scenario": "plan_refused_deploy", "seconds": round(took, 1)}))
 
 
-def test_canary_plans_the_shadow_inside_what_live_leaves(lab, big_models):
+@pytest.fixture
+def live_on_balanced(lab) -> Iterator[None]:
+    """What the canary reads of live before it plans: live's deployed state, as the service role records
+    it (sglang_service/tasks/run.yml), live on `balanced` on port 30000. A state the host already has
+    (another module deployed ct129) is kept aside and put back, so the plan never depends on it."""
+    flags = yaml.safe_load(PROFILES.read_text())["sglang_service_profiles"]["balanced"]["flags"]
+    release = "0123456789abcdef"  # a release id as the runtime role names them; the plan reads none of it
+    state = {"unit": "sglang-qwen", "profile": "balanced", "port": 30000, "release": release,
+             "release_dir": f"/opt/ddtree/releases/{release}", "previous_release": None,
+             "deployed_at": "2026-12-05T00:00:00Z", "flags": flags}  # fmt: skip
+    kept = f"{STATE}.test-plan-lab"
+    had = lab.ssh(HOST, f"test -e {STATE}").returncode == 0
+    put = lab.ssh(HOST, (f"cp -p {STATE} {kept} && " if had else "")
+                  + f"mkdir -p {Path(STATE).parent} && echo '{json.dumps(state)}' > {STATE}")  # fmt: skip
+    assert put.returncode == 0, put.stderr
+    yield
+    back = lab.ssh(HOST, f"mv {kept} {STATE}" if had else f"rm -f {STATE}")
+    assert back.returncode == 0, back.stderr
+
+
+def test_canary_plans_the_shadow_inside_what_live_leaves(lab, big_models, live_on_balanced):
     """Live (balanced) claims nearly all of GPU 0: a shadow of the same model cannot share it."""
     target, draft = big_models
-    made_state = lab.ssh(HOST, f"test -e {STATE}").returncode != 0
-    if made_state:  # the canary compares against a recorded live service; a fresh lab has none yet
-        state = json.dumps({"unit": "sglang-qwen", "profile": "balanced", "port": 30000, "release": "none"})
-        lab.ssh(HOST, f"mkdir -p {Path(STATE).parent} && echo '{state}' > {STATE}")
-    try:
-        before = snapshot(lab)
-        started = time.monotonic()
-        # the shadow on live's own GPU (the lab puts shadows on GPU 1 otherwise)
-        proc = lab.ansible_playbook("ansible/canary.yml", "-l", HOST, "-e", "canary_shadow_profile=shadow",
-                                    "-e", "canary_shadow_cuda_visible_devices=",
-                                    "-e", f"sglang_model_path={target}",
-                                    "-e", f"sglang_draft_model_path={draft}")
-        took = time.monotonic() - started
-        assert proc.returncode != 0, proc.stdout[-3000:]
-        out = flat(proc.stdout)
-        assert "beside the live service (" in out and "which holds" in out and "on GPU 0" in out
-        assert f"Profile shadow does not fit {HOST}'s GPUs" in out
-        assert "Canary one host" not in proc.stdout
-        assert snapshot(lab) == before
-        print(json.dumps({"scenario": "plan_refused_canary", "seconds": round(took, 1)}))
-    finally:
-        if made_state:
-            lab.ssh(HOST, f"rm -f {STATE}")
+    before = snapshot(lab)
+    started = time.monotonic()
+    # the shadow on live's own GPU (the lab puts shadows on GPU 1 otherwise)
+    proc = lab.ansible_playbook("ansible/canary.yml", "-l", HOST, "-e", "canary_shadow_profile=shadow",
+                                "-e", "canary_shadow_cuda_visible_devices=",
+                                "-e", f"sglang_model_path={target}",
+                                "-e", f"sglang_draft_model_path={draft}")
+    took = time.monotonic() - started
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    out = flat(proc.stdout)
+    assert "beside the live service (" in out and "which holds" in out and "on GPU 0" in out
+    assert f"Profile shadow does not fit {HOST}'s GPUs" in out
+    assert "Canary one host" not in proc.stdout
+    assert snapshot(lab) == before
+    print(json.dumps({"scenario": "plan_refused_canary", "seconds": round(took, 1)}))
