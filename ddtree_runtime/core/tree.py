@@ -52,6 +52,7 @@ __all__ = [
     "walk_greedy",
     "walk_posterior",
     "walk_sample",
+    "write_tree_mask_cells",
 ]
 
 # Log-probs of -inf (masked vocabulary) are clamped to this in the fp64 ordering scores so that sums
@@ -438,6 +439,24 @@ def verify_attention_mask_flat(inputs: VerifyInputs, prefix_lens: Tensor, cells:
     at = row_start + prefix.view(b, 1, 1) + r.view(1, 1, rows)
     flat = torch.ones(cells, dtype=torch.bool, device=device)
     return flat.scatter_(0, at.reshape(-1), vis.reshape(-1))
+
+
+def write_tree_mask_cells(inputs: VerifyInputs, prefix_lens: Tensor, buffer: Tensor) -> Tensor:
+    """Write only the tree cells of :func:`verify_attention_mask_flat`'s layout into ``buffer`` (a
+    flat bool/uint8 tensor that holds the whole batch), in place, and return it. The prefix cells are
+    left as they are: SGLang's Triton verify never reads them (``skip_prefix_custom_mask``, the
+    prefix is all visible), so a round writes ``b * (B+1)^2`` cells instead of the whole mask, at
+    offsets computed on the device, into a buffer whose address does not change (a CUDA graph can
+    hold it). A reader that does read the prefix cells (torch_native) needs the full mask."""
+    vis = inputs.visibility
+    b, rows, _ = vis.shape
+    prefix = torch.as_tensor(prefix_lens, device=vis.device).long().reshape(b)
+    width = prefix + rows
+    start = torch.cumsum(rows * width, 0) - rows * width
+    r = torch.arange(rows, device=vis.device)
+    row_start = start.view(b, 1, 1) + r.view(1, rows, 1) * width.view(b, 1, 1)
+    at = row_start + prefix.view(b, 1, 1) + r.view(1, 1, rows)
+    return buffer.scatter_(0, at.reshape(-1), vis.reshape(-1).to(buffer.dtype))
 
 
 # --------------------------------------------------------------------------------------------

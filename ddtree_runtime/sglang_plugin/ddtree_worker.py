@@ -84,6 +84,13 @@ class DDTreeWorker(DFlashWorkerV2):
         if not is_chain(self.ddtree_settings):
             check_tree_graphs(self.target_worker.model_runner)
         super().init_cuda_graphs()
+        self._round_graphs = None
+        if not is_chain(self.ddtree_settings):
+            # After SGLang's captures, before the server says ready: the round's own graphs, and
+            # with them every Triton kernel the round launches, compiled now (round_graphs).
+            from ddtree_runtime.sglang_plugin.round.round_graphs import round_graphs_for_worker
+
+            self._round_graphs = round_graphs_for_worker(self, self._round_config())
 
     def _adopt_drafter_block(self) -> None:
         """DFlashWorkerV2 sizes its drafter block from speculative_num_draft_tokens, which for a
@@ -139,7 +146,7 @@ class DDTreeWorker(DFlashWorkerV2):
     def _tree_decode(self, batch: Any, on_publish: Any) -> Any:
         from sglang.srt.managers.utils import GenerationBatchResult
 
-        from ddtree_runtime.sglang_plugin.round.tree_round import RoundConfig, run_tree_round
+        from ddtree_runtime.sglang_plugin.round.tree_round import run_tree_round
 
         if batch.has_grammar:
             # Not refusable at start (per request). NB: SGLang's scheduler does not survive this.
@@ -149,11 +156,7 @@ class DDTreeWorker(DFlashWorkerV2):
             )
         draft_input = batch.spec_info
         runner = self.target_worker.model_runner
-        cfg = RoundConfig.from_settings(
-            self.ddtree_settings.decoder,
-            mask_token_id=int(self._mask_token_id),
-            page_size=int(runner.token_to_kv_pool_allocator.page_size),
-        )
+        cfg = self._round_config()
         if batch.seq_lens.is_cuda:
             # Carried over from the previous overlap iteration, possibly made on another stream
             # (as DFlashWorkerV2's decode does).
@@ -180,6 +183,7 @@ class DDTreeWorker(DFlashWorkerV2):
             # Published as soon as the lengths are final, before the drafter's context append
             # (DFlashWorkerV2 does the same): the overlap scheduler's next resolve may go on.
             on_lengths=on_publish,
+            graphs=getattr(self, "_round_graphs", None),
         )
         next_draft_input = self._make_next_draft_input_decode(
             bonus_tokens=result.bonus_tokens, new_seq_lens=result.new_seq_lens
@@ -199,6 +203,16 @@ class DDTreeWorker(DFlashWorkerV2):
             new_seq_lens=result.new_seq_lens,
             routed_experts_output=getattr(target_out, "routed_experts_output", None),
             indexer_topk_output=getattr(target_out, "indexer_topk_output", None),
+        )
+
+    def _round_config(self) -> Any:
+        from ddtree_runtime.sglang_plugin.round.tree_round import RoundConfig
+
+        runner = self.target_worker.model_runner
+        return RoundConfig.from_settings(
+            self.ddtree_settings.decoder,
+            mask_token_id=int(self._mask_token_id),
+            page_size=int(runner.token_to_kv_pool_allocator.page_size),
         )
 
     def _round_models(self, batch: Any) -> Any:

@@ -142,6 +142,9 @@ class ToyModels:
         self.gen = torch.Generator().manual_seed(seed)
         self.draft_contexts: list[list[int]] = []  # what the drafter read back, per request, per round
         self.hidden_override = None  # tests: make the target return this instead of its hidden states
+        # As SGLang's Triton verify reads the mask (skip_prefix_custom_mask): the prefix is visible
+        # and only the tree cells are read, as the round's graphs write them (round_graphs).
+        self.prefix_always_visible = False
 
     # --- prefill (not part of the round): target KV + drafter context for the prompt ---------
     def prefill(self, req_pool_idx: int, prompt: list[int]) -> int:
@@ -185,14 +188,25 @@ class ToyModels:
             rows.append(torch.stack(out))
         return torch.cat(rows).float()
 
+    def draft_hidden(
+        self, block_ids: Tensor, positions: Tensor, cache_loc: Tensor, req_pool_indices: Tensor
+    ) -> Tensor:
+        """The toy drafter's depth rows ``[b, L, V]``: its logits stand in for hidden rows, so the
+        round's graphs take the identity head (``toy_head``)."""
+        b, block = block_ids.shape
+        return self.draft_block(block_ids, positions, cache_loc, req_pool_indices).view(b, block, -1)[:, 1:]
+
     def target_verify(self, plan, cache_loc: Tensor, req_pool_indices: Tensor):
         b, rows = plan.candidates.shape
         visible, offset = [], 0
         for r in range(b):
             prefix = int(plan.positions.view(b, rows)[r, 0])
             cols = prefix + rows
-            mask = plan.custom_mask[offset : offset + rows * cols].view(rows, cols)
+            mask = plan.custom_mask[offset : offset + rows * cols].view(rows, cols).bool()
             offset += rows * cols
+            if self.prefix_always_visible:
+                mask = mask.clone()
+                mask[:, :prefix] = True
             prefix_slots = self.req_to_token[int(req_pool_indices[r]), :prefix]
             slots = torch.cat([prefix_slots, cache_loc.view(b, rows)[r]])
             visible.extend(slots[mask[i]] for i in range(rows))

@@ -43,6 +43,35 @@ class SGLangRoundModels:
     def draft_block(
         self, block_ids: Tensor, positions: Tensor, cache_loc: Tensor, req_pool_indices: Tensor
     ) -> Tensor | DraftTopK:
+        w = self.worker
+        hidden = self._draft_forward(block_ids, positions, cache_loc, req_pool_indices)
+        bs, block = block_ids.shape
+        lm_head = w.target_worker.model_runner.model.lm_head
+        vocab = int(w.model_runner.model_config.vocab_size)
+        decoder = w.ddtree_settings.decoder
+        with draft_tp_context(w.draft_parallel_layout):
+            rows = hidden[:, 1:].reshape(-1, hidden.shape[-1])
+            # TP: a vocabulary shard per rank, top-K + logsumexp exchanged (draft_head, tp_head)
+            head = draft_head(
+                rows, lm_head, vocab, get_parallel().tp_group,
+                budget=decoder.budget, topk_cap=decoder.topk_cap,
+            )
+        if isinstance(head, DraftTopK):
+            return head.reshape(bs, block - 1)  # depths 1..L only
+        logits = head.view(bs, block - 1, -1)
+        root = torch.zeros((bs, 1, logits.shape[-1]), dtype=logits.dtype, device=logits.device)
+        return torch.cat([root, logits], dim=1).view(bs * block, -1)  # slot 0 (bonus) is not read
+
+    def draft_hidden(
+        self, block_ids: Tensor, positions: Tensor, cache_loc: Tensor, req_pool_indices: Tensor
+    ) -> Tensor:
+        """The drafter's depth rows ``[b, L, H]`` without the head (the round's graphs hold it)."""
+        return self._draft_forward(block_ids, positions, cache_loc, req_pool_indices)[:, 1:]
+
+    def _draft_forward(
+        self, block_ids: Tensor, positions: Tensor, cache_loc: Tensor, req_pool_indices: Tensor
+    ) -> Tensor:
+        """The DFlash drafter over the block -> its hidden states ``[b, block, H]``."""
         w, batch = self.worker, self.batch
         bs, block = block_ids.shape
         target_model = w.target_worker.model_runner.model
@@ -86,22 +115,7 @@ class SGLangRoundModels:
         hidden = out.logits_output.hidden_states
         if hidden is None:
             raise RuntimeError("DDTREE: the DFlash drafter returned no hidden states for its block.")
-        hidden = hidden.view(bs, block, -1)
-        lm_head = target_model.lm_head
-        vocab = int(w.model_runner.model_config.vocab_size)
-        decoder = w.ddtree_settings.decoder
-        with draft_tp_context(w.draft_parallel_layout):
-            rows = hidden[:, 1:].reshape(-1, hidden.shape[-1])
-            # TP: a vocabulary shard per rank, top-K + logsumexp exchanged (draft_head, tp_head)
-            head = draft_head(
-                rows, lm_head, vocab, get_parallel().tp_group,
-                budget=decoder.budget, topk_cap=decoder.topk_cap,
-            )
-        if isinstance(head, DraftTopK):
-            return head.reshape(bs, block - 1)  # depths 1..L only
-        logits = head.view(bs, block - 1, -1)
-        root = torch.zeros((bs, 1, logits.shape[-1]), dtype=logits.dtype, device=logits.device)
-        return torch.cat([root, logits], dim=1).view(bs * block, -1)  # slot 0 (bonus) is not read
+        return hidden.view(bs, block, -1)
 
     # --- target: one verify over the tree --------------------------------------------------
     def target_verify(

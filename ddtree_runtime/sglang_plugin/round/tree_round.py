@@ -58,6 +58,13 @@ class RoundModels(Protocol):
         bonus, is not read), or, from a vocabulary-parallel head, the per-depth top-K and
         logsumexp ``DraftTopK [b, block - 1, K]`` merged over the TP group (``tp_head``)."""
 
+    def draft_hidden(
+        self, block_ids: Tensor, positions: Tensor, cache_loc: Tensor, req_pool_indices: Tensor
+    ) -> Tensor:
+        """:meth:`draft_block` without the head: the drafter's hidden rows of depths 1..L
+        ``[b, L, H]``, for the round's CUDA graphs, which hold the head (``round_graphs``). Only
+        called when the round has graphs."""
+
     def target_verify(
         self, plan: TreeVerifyBatch, cache_loc: Tensor, req_pool_indices: Tensor
     ) -> tuple[Tensor, Tensor | None]:
@@ -204,11 +211,17 @@ def truncate_at_stop(
     with them (row k is the node whose output is emitted token k). On the device, with no host
     read: every request has a stop set (EOS at least), and reading each request's tokens back cost
     one device sync per request per round."""
+    b = walk.emitted.shape[0]
+    if not stop_token_ids or not any(stop_token_ids):
+        return walk, torch.zeros(b, dtype=torch.bool, device=walk.emitted.device)
+    return truncate_at_stop_table(walk, _stop_table(tuple(stop_token_ids), walk.emitted.device))
+
+
+def truncate_at_stop_table(walk: WalkResult, table: Tensor) -> tuple[WalkResult, Tensor]:
+    """:func:`truncate_at_stop` with the batch's stop sets as a device table ``[b, S]`` (-2 where a
+    request has fewer than S stops): fixed shapes, so a CUDA graph can hold it (``round_graphs``)."""
     b, width = walk.emitted.shape
     device = walk.emitted.device
-    if not stop_token_ids or not any(stop_token_ids):
-        return walk, torch.zeros(b, dtype=torch.bool, device=device)
-    table = _stop_table(tuple(stop_token_ids), device)  # [b, S], -2 where a row has fewer stops
     steps = torch.arange(width, device=device).expand(b, -1)
     live = steps < walk.num_emitted.unsqueeze(1)
     hit = (walk.emitted.unsqueeze(-1) == table.unsqueeze(1)).any(-1) & live
@@ -229,6 +242,16 @@ def truncate_at_stop(
     return cut, finished
 
 
+def stop_table_rows(stops: tuple[frozenset[int], ...], rows: int, width: int) -> Tensor:
+    """The host table :func:`truncate_at_stop_table` reads: ``[rows, width]`` int64, -2 padded
+    (requests past ``len(stops)`` stop on nothing)."""
+    host = torch.full((rows, width), -2, dtype=torch.long)
+    for r, ids in enumerate(stops):
+        if ids:
+            host[r, : len(ids)] = torch.tensor(sorted(ids), dtype=torch.long)
+    return host
+
+
 _stop_tables: dict[tuple[tuple[frozenset[int], ...], str], Tensor] = {}
 
 
@@ -238,17 +261,79 @@ def _stop_table(stops: tuple[frozenset[int], ...], device: torch.device) -> Tens
     key = (stops, str(device))
     table = _stop_tables.get(key)
     if table is None:
-        width = max(1, max(len(s) for s in stops))
-        host = torch.full((len(stops), width), -2, dtype=torch.long)
-        for r, ids in enumerate(stops):
-            if ids:
-                host[r, : len(ids)] = torch.tensor(sorted(ids), dtype=torch.long)
+        host = stop_table_rows(stops, len(stops), max(1, max(len(s) for s in stops)))
         if device.type == "cuda":
             host = host.pin_memory()  # a pageable copy would wait for the device
         table = host.to(device, non_blocking=True)
         _stop_tables.clear()  # one batch composition at a time
         _stop_tables[key] = table
     return table
+
+
+@dataclass(frozen=True)
+class RoundAccept:
+    """What the walk decided and where its KV went: the part of a round after the verify that a
+    CUDA graph can hold (``round_graphs``), or that runs eagerly (``accept_round``)."""
+
+    walk: WalkResult  # stop-cut
+    finished: Tensor  # [b] bool
+    accept: TreeAccept
+    kv: KVCommit
+    # The drafter's context rows (flat verify rows, padding clamped) and positions [b, L+1], when
+    # a graph computed them already; else the round computes them.
+    context_rows: Tensor | None = None
+    context_positions: Tensor | None = None
+
+
+def accept_round(
+    walk: WalkResult,
+    finished: Tensor,
+    *,
+    rows: int,
+    slots: Tensor,
+    prefix: Tensor,
+    kv_pool: Any,
+    page_size: int,
+    req_to_token: Tensor | None = None,
+    req_pool_indices: Tensor | None = None,
+    release: Callable[[Tensor], None] | None = None,
+) -> RoundAccept:
+    """After the walk and the stop cut: the accepted rows as flat verify rows, and their KV moved to
+    the next logical rows (``tree_commit``)."""
+    b = walk.accepted.shape[0]
+    base = (torch.arange(b, device=walk.accepted.device) * rows).unsqueeze(1)
+    accept_index = torch.where(walk.accepted >= 0, walk.accepted + base, -1)
+    accept = TreeAccept(
+        walk=walk, accept_index=accept_index, accept_length=walk.num_accepted - 1, bonus=walk.bonus
+    )
+    kv = commit_accepted_kv(
+        walk,
+        slots=slots,
+        prefix_lens=prefix,
+        kv_pool=kv_pool,
+        page_size=page_size,
+        req_to_token=req_to_token,
+        req_pool_indices=req_pool_indices,
+        release=release,
+    )
+    return RoundAccept(walk=walk, finished=finished, accept=accept, kv=kv)
+
+
+def draft_block_inputs(
+    bonus_tokens: Tensor, prefix: Tensor, block: int, mask_token_id: int
+) -> tuple[Tensor, Tensor]:
+    """The drafter's block ``[bonus, MASK x L]`` ``[b, block]`` and its positions ``prefix ..``."""
+    b = prefix.shape[0]
+    block_ids = torch.full((b, block), mask_token_id, dtype=torch.long, device=prefix.device)
+    block_ids[:, 0] = bonus_tokens.to(prefix.device)
+    return block_ids, prefix.unsqueeze(1) + torch.arange(block, device=prefix.device)
+
+
+class RoundGraphsLike(Protocol):
+    """What ``run_tree_round`` asks of the round's CUDA graphs (``round_graphs.RoundGraphs``)."""
+
+    def plan_stage(self, b: int, inp: RoundInput) -> Any:
+        """The bucket that replays this round's plan (and, greedy, its accept) stages, or None."""
 
 
 def run_tree_round(
@@ -264,12 +349,18 @@ def run_tree_round(
     on_hidden: Callable[[Tensor | None], None] | None = None,
     commit_state: Callable[[Tensor, Tensor], None] | None = None,
     on_lengths: Callable[[Tensor], None] | None = None,
+    graphs: RoundGraphsLike | None = None,
 ) -> RoundOutput:
     """One decode round for a batch (see module docstring). ``release``: see ``tree_commit``.
     ``commit_state(accept_index [b, L+1], commit_lens [b])``: hybrid targets' recurrent-state
-    commit of the accepted rows (flat verify rows, -1 padded), called right after the walk.
+    commit of the accepted rows (flat verify rows, -1 padded), called after the walk, the stop cut
+    and the KV move, before the lengths are published and before any other target forward.
     ``on_lengths(new_seq_lens)``: called as soon as the lengths are final, before the drafter's
     context append (SGLang's ``on_publish``, which lets the overlap scheduler go on).
+    ``graphs``: the round's CUDA graphs (``round_graphs``); where one covers this batch, the stages
+    between the drafter's forward and the verify (head, tree, verify arrays, mask) and, greedy,
+    between the verify and the drafter's context (walk, stop cut, accept rows, KV move, lengths)
+    are graph replays with the same kernels; otherwise they run eagerly.
 
     With ``inp.mask_cells`` set (and no ``release``) nothing in the round reads the device: every
     shape is fixed by the batch, the budget and the block (tests/sglang/test_tree_round_sync.py)."""
@@ -282,22 +373,24 @@ def run_tree_round(
     # The window's slots, read once and before the verify: afterwards the scheduler may hand a
     # finished request's req_to_token row to another request (tree_commit).
     slots = window_slots(req_to_token, idx, prefix, cfg.write_window)
+    staged = graphs.plan_stage(b, inp) if graphs is not None and release is None else None
 
     # 1) drafter block: [bonus, MASK x L] at prefix .. prefix + block - 1
-    block_ids = torch.full((b, block), cfg.mask_token_id, dtype=torch.long, device=device)
-    block_ids[:, 0] = inp.bonus_tokens.to(device)
-    block_pos = prefix.unsqueeze(1) + torch.arange(block, device=device)
-    draft_logits = models.draft_block(block_ids, block_pos, slots[:, :block].reshape(-1), idx)
-
     # 2) tree + verify arrays
-    plan = plan_tree_verify(
-        draft_position_logits(draft_logits, b),
-        block_ids[:, 0],
-        prefix,
-        cfg.budget,
-        topk_cap=cfg.topk_cap,
-        mask_cells=inp.mask_cells,
-    )
+    block_ids, block_pos = draft_block_inputs(inp.bonus_tokens, prefix, block, cfg.mask_token_id)
+    if staged is not None:
+        depth_hidden = models.draft_hidden(block_ids, block_pos, slots[:, :block].reshape(-1), idx)
+        plan = staged.plan(depth_hidden, block_ids[:, 0], prefix, inp.mask_cells)
+    else:
+        draft_logits = models.draft_block(block_ids, block_pos, slots[:, :block].reshape(-1), idx)
+        plan = plan_tree_verify(
+            draft_position_logits(draft_logits, b),
+            block_ids[:, 0],
+            prefix,
+            cfg.budget,
+            topk_cap=cfg.topk_cap,
+            mask_cells=inp.mask_cells,
+        )
 
     # 3) target verify + hidden guard
     target_logits, hidden = models.target_verify(plan, slots[:, :rows].reshape(-1), idx)
@@ -305,38 +398,41 @@ def run_tree_round(
         on_hidden(hidden)
     check_verify_hidden(hidden, b * rows, contract)
 
-    # 4-5) walk, stop tokens
-    walk = walk_round(
-        plan, target_logits, inp.temperatures, top_ks=inp.top_ks, top_ps=inp.top_ps, generator=generator
-    )
-    walk, finished = truncate_at_stop(walk, inp.stop_token_ids)
-    base = (torch.arange(b, device=device) * rows).unsqueeze(1)
-    accept_index = torch.where(walk.accepted >= 0, walk.accepted + base, -1)
-    accept = TreeAccept(
-        walk=walk, accept_index=accept_index, accept_length=walk.num_accepted - 1, bonus=walk.bonus
-    )
+    # 4-6) walk, stop tokens, accepted rows, KV commit
+    done = None
+    if staged is not None and inp.temperatures is None:
+        done = staged.accept(target_logits.argmax(dim=-1), slots, inp.stop_token_ids)
+    if done is None:
+        walk = walk_round(
+            plan, target_logits, inp.temperatures, top_ks=inp.top_ks, top_ps=inp.top_ps, generator=generator
+        )
+        walk, finished = truncate_at_stop(walk, inp.stop_token_ids)
+        done = accept_round(
+            walk,
+            finished,
+            rows=rows,
+            slots=slots,
+            prefix=prefix,
+            kv_pool=kv_pool,
+            page_size=cfg.page_size,
+            req_to_token=req_to_token,
+            req_pool_indices=idx,
+            release=release,
+        )
+    walk, accept, kv = done.walk, done.accept, done.kv
     if commit_state is not None:
-        commit_state(accept_index, walk.num_emitted)
-
-    # 6) KV commit
-    kv = commit_accepted_kv(
-        walk,
-        slots=slots,
-        prefix_lens=prefix,
-        kv_pool=kv_pool,
-        page_size=cfg.page_size,
-        req_to_token=req_to_token,
-        req_pool_indices=idx,
-        release=release,
-    )
+        commit_state(accept.accept_index, walk.num_emitted)
     if on_lengths is not None:
         on_lengths(kv.new_seq_lens)
 
     # 7) drafter context: accepted rows by node index (padding clamped to a real row and not
     # written: the prefix-valid writer stops at commit_lens), at consecutive positions
-    context_rows = accept_index.clamp(min=0)
-    steps = walk.accepted.shape[1]
-    positions = prefix.unsqueeze(1) + torch.arange(steps, device=device)
+    context_rows = done.context_rows
+    if context_rows is None:
+        context_rows = accept.accept_index.clamp(min=0)
+    positions = done.context_positions
+    if positions is None:
+        positions = prefix.unsqueeze(1) + torch.arange(walk.accepted.shape[1], device=device)
     assert hidden is not None  # checked above
     context = hidden.index_select(0, context_rows.reshape(-1))
     models.append_draft_context(context, kv.window_slots, positions.reshape(-1), walk.num_emitted)
@@ -347,7 +443,7 @@ def run_tree_round(
         new_seq_lens=kv.new_seq_lens,
         bonus_tokens=walk.bonus,
         accept_length=walk.num_accepted - 1,
-        finished=finished,
+        finished=done.finished,
         plan=plan,
         accept=accept,
         kv=kv,

@@ -30,6 +30,7 @@ from ddtree_runtime.core.tree import (
     verify_attention_mask,
     verify_attention_mask_flat,
     walk_posterior,
+    write_tree_mask_cells,
 )
 
 
@@ -86,6 +87,7 @@ def plan_tree_verify(
     *,
     topk_cap: int | None = None,
     mask_cells: int | None = None,
+    mask_buffer: Tensor | None = None,
 ) -> TreeVerifyBatch:
     """Build each request's tree and the verify inputs SGLang's target forward takes, from the
     per-depth logits ``[b, L, V]`` or their top-K and logsumexp (``DraftTopK [b, L, K]``).
@@ -93,13 +95,21 @@ def plan_tree_verify(
     ``mask_cells``: a host-side upper bound of the flat mask's size (from reserved lengths); the
     mask is then a fixed ``[mask_cells]`` tensor written at device-computed offsets and nothing is
     read back (the overlap scheduler's contract). Without it the mask is sized from the prefix
-    lengths, read to the host."""
+    lengths, read to the host.
+
+    ``mask_buffer``: the target backend's own verify-mask buffer (a fixed address): only the tree
+    cells are written into it, in place (``write_tree_mask_cells``; the Triton verify never reads
+    the prefix cells), and ``custom_mask`` is the buffer's first ``mask_cells`` cells (the whole
+    buffer without a bound). What the round's CUDA graphs use (``round_graphs``)."""
     if isinstance(draft_logits, DraftTopK):
         tree = build_tree_from_topk(draft_logits, budget, topk_cap=topk_cap)
     else:
         tree = build_tree(draft_logits, budget, topk_cap=topk_cap)
     inputs = compile_tree(tree, root_tokens, prefix_lens)
-    if mask_cells is not None:
+    if mask_buffer is not None:
+        write_tree_mask_cells(inputs, prefix_lens, mask_buffer)
+        custom_mask = mask_buffer if mask_cells is None else mask_buffer[:mask_cells]
+    elif mask_cells is not None:
         custom_mask = verify_attention_mask_flat(inputs, prefix_lens, mask_cells)
     else:
         custom_mask = torch.cat([m.reshape(-1) for m in verify_attention_mask(inputs, prefix_lens)])
