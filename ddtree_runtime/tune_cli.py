@@ -1,5 +1,5 @@
 """`ddtree tune`: should this host run trees, and which budget? Reads the server's counterfactual
-counters (what each budget would have accepted on its own traffic, ``health/counterfactual.py``),
+counters (what each budget would have accepted on its own traffic, ``health/counterfactual_counters.py``),
 prices each setting's round on the host's GPU (``planner/tune.py``) and names the setting with the
 most tokens/s at the host's concurrency, with the expected gain and its uncertainty. Writes nothing;
 ``--propose`` prints the host_vars change a normal deploy (or a canary) then applies.
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ddtree_runtime.health import counterfactual as cf
+from ddtree_runtime.health import counterfactual_counters as cf
 from ddtree_runtime.health import http_client
 from ddtree_runtime.planner import tune
 

@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry, generate_latest, start_http_ser
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ddtree_runtime.core.model_files import ContractError, read_json_file
-from ddtree_runtime.health import counterfactual as cf
+from ddtree_runtime.health import counterfactual_counters as cf
 from ddtree_runtime.health.report_file import write_json_atomic
 
 DEFAULT_STATE_ROOT = "/var/lib/ddtree"

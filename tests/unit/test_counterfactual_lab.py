@@ -147,7 +147,7 @@ def test_the_lab_server_exposes_the_counters_on_its_metrics(models: Path) -> Non
     assert real_emitted == snap["real_emitted"] > 0
 
     # The same text is what `ddtree tune` reads: a recommendation with both settings priced.
-    from ddtree_runtime.health import counterfactual as cf
+    from ddtree_runtime.health import counterfactual_counters as cf
     from ddtree_runtime.planner import tune
 
     counts = cf.parse_metrics(lab.metrics.render().decode())

@@ -15,7 +15,7 @@ from typing import ClassVar
 import pytest
 
 from ddtree_runtime.cli import main
-from ddtree_runtime.health import counterfactual as cf
+from ddtree_runtime.health import counterfactual_counters as cf
 from ddtree_runtime.planner import tune
 from ddtree_runtime.tiny_engine.serving_metrics import ServingMetrics
 
