@@ -15,7 +15,8 @@ The modules, as a reader of SGLang's ``srt/speculative/`` looks for them (``dfla
   the flags into SGLang's fields), ``gates`` (configurations refused with the reason);
 * hooks on SGLang's own code: ``sites`` (sites that test the name ``"DFLASH"``), ``graph_sites``
   (what the target's CUDA graphs capture for trees), ``server_info`` and ``handshake`` (the
-  handshake in ``/server_info`` and ``sglang:ddtree_*`` metrics);
+  handshake in ``/server_info`` and ``sglang:ddtree_*`` metrics), ``warmup`` (tree rounds at every
+  captured batch size before the server says ready, SGLang's ``--warmups``);
 * the algorithm's info and worker: ``ddtree_info`` (the verify input SGLang's backends read, the
   round's input from a ``ScheduleBatch``), ``ddtree_worker`` (``DDTreeWorker`` on
   ``DFlashWorkerV2``), ``worker_checks`` (its start-up refusals and the width contract),
@@ -25,7 +26,8 @@ The modules, as a reader of SGLang's ``srt/speculative/`` looks for them (``dfla
   walk in SGLang's layout), ``tree_commit`` (the accepted KV into SGLang's pools), ``hybrid_state``
   (Gated DeltaNet targets' state scratch and commit), ``bounds`` (host sizes from the scheduler's
   bounds, never the device), ``draft_head`` (the drafter's per-depth distribution,
-  vocabulary-parallel too);
+  vocabulary-parallel too), ``round_graphs`` (the round's stages between the drafter and the verify
+  and after it, as CUDA graphs per batch size);
 * ``check``: ``python -m ddtree_runtime.sglang_plugin.check``, is DDTREE registered here?
 """
 

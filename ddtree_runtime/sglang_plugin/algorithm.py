@@ -22,6 +22,7 @@ from typing import Any
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
 from ddtree_runtime.core.decoder_settings import VALIDATED_MAX_BUDGET, DecoderSettings, SettingsError
+from ddtree_runtime.sglang_plugin import warmup
 from ddtree_runtime.sglang_plugin.cli_args import ddtree_args_of
 from ddtree_runtime.sglang_plugin.gates import DDTreeConfigError, check_hybrid, check_refusals
 from ddtree_runtime.sglang_plugin.names import ALGORITHM
@@ -211,7 +212,11 @@ def resolve_server_args(server_args: Any) -> None:
     # GPU suite is token-identical with it (docs/bench/overlap-tree-round.md). It stays off where
     # SGLang's resolution turns it off (pp > 1, --disable-overlap-schedule); SGLang's CPU turn-off is
     # for its EAGLE and NGRAM families only, so the CPU lab runs trees overlapped, as the chain.
-    declare_resolution(record, RESOLUTION_SOURCE, **sizes)
+    declared: dict[str, Any] = dict(sizes)
+    if not decoder.is_chain and warmup.wanted(cfg.device, cfg.disable_cuda_graph):
+        # Tree rounds at every captured batch size before the server says ready (warmup.py).
+        declared["warmups"] = warmup.with_warmup(cfg.warmups)
+    declare_resolution(record, RESOLUTION_SOURCE, **declared)
     resolved = PluginSettings(decoder, allow_hybrid=args.allow_hybrid, hybrid_kind=kind, contract=contract)
     setattr(record, RESOLVED_ATTR, resolved)
     logger.info(

@@ -71,6 +71,7 @@ def register_all() -> None:
     from ddtree_runtime.sglang_plugin.graph_sites import register_graph_hooks
     from ddtree_runtime.sglang_plugin.server_info import register_server_info_hooks
     from ddtree_runtime.sglang_plugin.sites import include_in_spec_decode_snapshot, register_site_hooks
+    from ddtree_runtime.sglang_plugin.warmup import register_warmup
 
     # supports_overlap=True: the worker is on the V2 schema; resolution turns overlap off itself.
     register_ddtree = SpeculativeAlgorithm.register(
@@ -82,6 +83,7 @@ def register_all() -> None:
     register_site_hooks()
     register_graph_hooks()
     register_server_info_hooks()
+    register_warmup()
     include_in_spec_decode_snapshot(get_spec(ALGORITHM))
     global _registration_complete
     _registration_complete = True

@@ -277,3 +277,23 @@ def test_requests_finishing_and_joining_every_round_are_token_identical(servers,
                            [PROMPTS[i % len(PROMPTS)] for i in range(len(lengths))])
     report("churn", config=config, **verdict.figures(), near_tie_positions=verdict.near_ties)
     assert verdict.ok, verdict.failures[:3]
+
+
+READY_LINE = "The server is fired up and ready to roll"
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_no_kernel_compiles_inside_a_tree_round_once_the_server_is_ready(servers, config):
+    """Every decode forward since the server said ready (the whole suite's traffic: batch 1, 4 and
+    16, joining and finishing requests, T > 0; this test runs last in the module) compiled nothing:
+    the round's kernels were compiled for every captured batch size at start-up (round_graphs)."""
+    from ddtree_sglang_gpu_lab.sync_watch import parse
+
+    log = _server(servers, config).log
+    after = log[log.find(READY_LINE) :] if READY_LINE in log else log
+    rounds = [r for r in parse(after) if r["worker"] == "DDTREE"]
+    compiled = Counter(name for r in rounds for name in r.get("compiled", []))
+    report("compiles_after_ready", config=config, rounds=len(rounds),
+           compiles=sum(r.get("compiles", 0) for r in rounds), kernels=dict(compiled))  # fmt: skip
+    assert rounds, "no decode forward was watched"
+    assert sum(r.get("compiles", 0) for r in rounds) == 0, dict(compiled)

@@ -51,6 +51,41 @@ def test_the_prod_pair_states_qwen36_27bs_capture_width(tmp_path):
     assert (pair / "target/tokenizer.json").is_file()
 
 
+def _lab_dense_pair(root: Path) -> Path:
+    """The keys of the lab dense pair's configs that the 8B pair keeps."""
+    (root / "target").mkdir(parents=True)
+    (root / "draft").mkdir()
+    target = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 64,
+              "num_hidden_layers": 4, "bos_token_id": 256, "eos_token_id": 256}  # fmt: skip
+    draft = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 64,
+             "num_hidden_layers": 2, "num_target_layers": 4, "block_size": 16,
+             "dflash_config": {"target_layer_ids": [1, 2], "mask_token_id": 259}}  # fmt: skip
+    (root / "target/config.json").write_text(json.dumps(target))
+    (root / "target/tokenizer.json").write_text("{}")
+    (root / "draft/config.json").write_text(json.dumps(draft))
+    return root
+
+
+def test_the_dense8b_pair_states_qwen3_8bs_capture_width(tmp_path):
+    pair = prod_shape.write_dense8b_pair(_lab_dense_pair(tmp_path / "dense"), tmp_path / "prod8b")
+    contract = load_contract(pair / "target", pair / "draft")
+    assert contract.target_layer_ids == (1, 9, 17, 25, 33)
+    assert contract.capture_width == contract.fc_in_features == 20480
+    assert not contract.hybrid and contract.mask_token_id == 259
+    target = json.loads((pair / "target/config.json").read_text())
+    assert (target["num_hidden_layers"], target["hidden_size"], target["vocab_size"]) == (36, 4096, 151936)
+
+
+def test_prod_specs_name_the_shape_and_the_eager_round():
+    spec = cases.prod_spec("ddtree15-dense8b")
+    assert spec.pair == "prod8b" and spec.overrides["speculative-ddtree-budget"] == 15
+    assert "mamba-ssm-dtype" not in spec.overrides and "dummy" in spec.extra
+    eager = cases.prod_spec("ddtree16-fp32-eager")
+    assert eager.pair == "prod" and eager.env["SGLANG_DDTREE_ROUND_GRAPHS"] == "0"
+    assert "SGLANG_DDTREE_ROUND_GRAPHS" not in cases.prod_spec("ddtree16-fp32").env
+    assert cases.prod_spec("dflash-dense8b-eager").algorithm == "DFLASH"
+
+
 def test_prod_specs_name_the_decoder_and_the_ssm_dtype():
     spec = cases.prod_spec("ddtree32-bf16")
     assert spec.algorithm == "DDTREE" and spec.overrides["speculative-ddtree-budget"] == 32

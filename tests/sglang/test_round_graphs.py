@@ -44,7 +44,9 @@ def _graphs(cfg, kv, *, sizes, vocab, max_bs=8):
 def _decode(prompts, n_tokens, *, graphs_sizes=None, stop=None, page_size=1, temperatures=None):
     """Decode every prompt to ``n_tokens`` with the tree round, eagerly or through bucket stages;
     the batch shrinks as requests finish (so it moves between buckets)."""
-    target, models, rows, _allocated, _allocator, _start, bonus, cfg, kv = _setup(prompts, page_size=page_size)
+    target, models, rows, _allocated, _allocator, _start, bonus, cfg, kv = _setup(
+        prompts, page_size=page_size
+    )
     graphs = None
     if graphs_sizes is not None:
         graphs = _graphs(cfg, kv, sizes=graphs_sizes, vocab=target.vocab)
@@ -83,7 +85,9 @@ PROMPTS = [[1, 4, 2], [5, 3, 3, 7, 0, 9, 2], [8, 1, 6, 6, 2, 0, 4, 10, 3, 5, 7, 
 def test_bucket_stages_emit_the_targets_greedy_tokens_as_the_eager_round_does(page_size):
     # 3 requests run in bucket 4 (one padded row), then 2 in bucket 2, then 1 in bucket 1
     eager, *_ = _decode(PROMPTS, 24, page_size=page_size)
-    staged, models, rows, lens, staged_rounds = _decode(PROMPTS, 24, graphs_sizes=[1, 2, 4], page_size=page_size)
+    staged, models, rows, lens, staged_rounds = _decode(
+        PROMPTS, 24, graphs_sizes=[1, 2, 4], page_size=page_size
+    )
     assert staged_rounds > 0
     assert staged == eager
     for r, (p, got) in enumerate(zip(PROMPTS, staged, strict=True)):
@@ -138,7 +142,9 @@ def test_stop_tokens_cut_the_round_inside_the_bucket_and_wide_stop_sets_run_eage
 def test_sampled_rounds_take_the_plan_stage_and_walk_eagerly():
     torch.manual_seed(0)
     staged, models, *_ = _decode(PROMPTS[:2], 16, graphs_sizes=[2], temperatures=[0.0, 0.0])
-    assert staged == [models.target.reference_greedy(p, len(o)) for p, o in zip(PROMPTS[:2], staged, strict=True)]
+    assert staged == [
+        models.target.reference_greedy(p, len(o)) for p, o in zip(PROMPTS[:2], staged, strict=True)
+    ]
 
 
 def test_tree_mask_cells_are_the_flat_masks_tree_cells_and_nothing_else():
@@ -155,10 +161,29 @@ def test_tree_mask_cells_are_the_flat_masks_tree_cells_and_nothing_else():
     # exactly the tree cells (b * rows * rows), none in a prefix or past the batch
     tree_cells = torch.zeros(cells + 50, dtype=torch.bool)
     start = 0
-    for r, p in enumerate(prefix.tolist()):
+    for p in prefix.tolist():
         for i in range(rows):
             tree_cells[start + i * (p + rows) + p : start + i * (p + rows) + p + rows] = True
         start += rows * (p + rows)
         assert full[start - rows * (p + rows) : start].view(rows, p + rows)[:, :p].all()
     assert torch.equal(written[tree_cells].bool(), full[tree_cells[:cells]])
     assert (written[~tree_cells] == 7).all()
+
+
+def test_what_sglang_reads_from_a_staged_round_is_contiguous():
+    """SGLang's kernels read some of a round's outputs by raw pointer with stride 1 (the hybrid
+    state commit reads commit_lens so): a strided view of a packed buffer read every request's
+    count from the wrong place at batch > 1 (found on the H100, hybrid pair, batch 4)."""
+    target, models, rows, *_rest, bonus, cfg, kv = _setup(PROMPTS)
+    graphs = _graphs(cfg, kv, sizes=[4], vocab=target.vocab)
+    models.prefix_always_visible = True
+    inp = RoundInput(
+        req_pool_indices=torch.tensor(rows),
+        prefix_lens=torch.tensor([len(p) for p in PROMPTS]),
+        bonus_tokens=torch.tensor(bonus),
+        mask_cells=cfg.verify_rows * (sum(len(p) for p in PROMPTS) + cfg.verify_rows * 3),
+    )
+    res = run_tree_round(models, inp, cfg, req_to_token=models.req_to_token, kv_pool=kv, graphs=graphs)
+    for name in ("out_tokens", "commit_lens", "new_seq_lens", "bonus_tokens", "accept_length"):
+        assert getattr(res, name).is_contiguous(), name
+    assert res.accept.accept_index.is_contiguous()

@@ -6,5 +6,7 @@
 * ``tree_commit``: the accepted KV into SGLang's pools;
 * ``hybrid_state``: Gated DeltaNet targets' state scratch and commit;
 * ``bounds``: host sizes from the scheduler's bounds, never the device;
-* ``draft_head``: the drafter's per-depth distribution, vocabulary-parallel too.
+* ``draft_head``: the drafter's per-depth distribution, vocabulary-parallel too;
+* ``round_graphs``: the round's stages between the drafter and the verify and after it (head, tree,
+  verify arrays and mask; walk, stop cut, accepted rows, KV move) as CUDA graphs per batch size.
 """

@@ -92,8 +92,10 @@ class RoundBucket:
         self.posterior = torch.zeros((size, self.rows), **zeros)
         self.slots = torch.zeros((size, cfg.write_window), **zeros)
         self.stop_table = torch.full((size, spec.stop_width), -2, **zeros)
-        # emitted tokens [L+1], their count, the new length, the bonus, the accepted draft tokens
-        self.pack = torch.zeros((size, steps + 4), **zeros)
+        # What the scheduler reads, as contiguous segments (SGLang's kernels read some with stride
+        # 1): emitted tokens [size, L+1], then their count, the new length, the bonus and the
+        # accepted draft tokens, [size] each.
+        self.pack = torch.zeros(size * (steps + 4), **zeros)
         self._stops_key: tuple[frozenset[int], ...] | None = None
         self._plan_out: TreeVerifyBatch | None = None
         self._accept_out: RoundAccept | None = None
@@ -129,8 +131,8 @@ class RoundBucket:
         steps = walk.accepted.shape[1]
         context_rows = done.accept.accept_index.clamp(min=0)
         positions = self.prefix.unsqueeze(1) + torch.arange(steps, device=self.prefix.device)
-        column = [walk.num_emitted, done.kv.new_seq_lens, walk.bonus, done.accept.accept_length]
-        self.pack.copy_(torch.cat([walk.emitted, torch.stack(column, dim=1)], dim=1))
+        segments = [walk.num_emitted, done.kv.new_seq_lens, walk.bonus, done.accept.accept_length]
+        self.pack.copy_(torch.cat([walk.emitted.reshape(-1), *segments]))
         return replace(done, context_rows=context_rows, context_positions=positions)
 
     # --- capture ---------------------------------------------------------------------------
@@ -182,7 +184,7 @@ class RoundBucket:
         else:
             self._accept_out = self._accept()
         assert self._accept_out is not None
-        return _accept_view(self._accept_out, self.pack[:b].clone(), b)
+        return _accept_view(self._accept_out, self.pack.clone(), b, self.size)
 
     def _stage_stops(self, stops: tuple[frozenset[int], ...], b: int) -> bool:
         if stops == self._stops_key:
@@ -221,13 +223,13 @@ def _plan_view(out: TreeVerifyBatch, b: int, mask_buffer: Tensor, mask_cells: in
     )
 
 
-def _accept_view(out: RoundAccept, pack: Tensor, b: int) -> RoundAccept:
+def _accept_view(out: RoundAccept, pack: Tensor, b: int, size: int) -> RoundAccept:
     """The batch's rows of the accept stage; what outlives the round (tokens, counts, lengths,
-    bonus) from ``pack``, the round's own copy."""
+    bonus) from ``pack``, the round's own copy of the bucket's segments (each contiguous)."""
     steps = out.walk.accepted.shape[1]
-    emitted, num, new_len, bonus, accepted_tokens = (
-        pack[:, :steps], pack[:, steps], pack[:, steps + 1], pack[:, steps + 2], pack[:, steps + 3],
-    )  # fmt: skip
+    tail = size * steps
+    emitted = pack[:tail].view(size, steps)[:b]
+    num, new_len, bonus, accepted_tokens = (pack[tail + k * size : tail + k * size + b] for k in range(4))
     walk = WalkResult(
         accepted=out.walk.accepted[:b], num_accepted=num, bonus=bonus, emitted=emitted,
         num_emitted=num, tree_rows=out.walk.tree_rows,
@@ -292,6 +294,15 @@ class RoundGraphs:
         return self.buckets[min(fits)] if fits else None
 
 
+def warm_eager_moves(kv_pool: Any, steps: int, max_bs: int, device: torch.device) -> None:
+    """Compile SGLang's ``move_kv_cache`` for every batch a sampled (T > 0) round moves eagerly:
+    ``b * (L + 1)`` entries specialise it (a power-of-two bucket), so a first sampled round at a new
+    batch size would compile under traffic. 0 -> 0 moves: SGLang's dummy slot, no data changes."""
+    for b in range(1, max_bs + 1):
+        zeros = torch.zeros(b * steps, dtype=torch.long, device=device)
+        kv_pool.move_kv_cache(zeros, zeros)
+
+
 # Set to 0 to run every tree round eagerly (the round as it was before its graphs).
 ENV_SWITCH = "SGLANG_DDTREE_ROUND_GRAPHS"
 
@@ -337,5 +348,6 @@ def round_graphs_for_worker(worker: Any, cfg: RoundConfig) -> RoundGraphs | None
     )
     graphs = RoundGraphs(spec, mask.buffer.device)
     built = graphs.build(sizes)
+    warm_eager_moves(runner.token_to_kv_pool, cfg.block_size, max(built, default=0), mask.buffer.device)
     logger.info("DDTREE: tree-round graphs captured for batch sizes %s in %.1f s", built, graphs.seconds)
     return graphs

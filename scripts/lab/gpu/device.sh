@@ -43,12 +43,15 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 if [ -d "$PACK/baseline" ]; then export DDTREE_GPU_LAB_BASELINE=$PACK/baseline; fi
 
 status=0
+# DDTREE_GPU_LAB_STEP_TIMEOUT=S stops a step after S seconds, so the call still packs the logs and the
+# compile caches before the device tool's own limit ends it.
+STEP_TIMEOUT=${DDTREE_GPU_LAB_STEP_TIMEOUT:+timeout --kill-after=10 $DDTREE_GPU_LAB_STEP_TIMEOUT}
 run_one() {
     local kind=$1; shift
     case "$kind" in
-        cases) python -m ddtree_sglang_gpu_lab.cases "$@" --models "$LAB/models" --logs "$LAB/logs" ;;
-        pytest) DDTREE_GPU_LAB_MODELS=$LAB/models DDTREE_GPU_LAB_LOGS=$LAB/logs python -m pytest -p no:cacheprovider "$@" ;;
-        python) python "$@" ;;
+        cases) $STEP_TIMEOUT python -m ddtree_sglang_gpu_lab.cases "$@" --models "$LAB/models" --logs "$LAB/logs" ;;
+        pytest) DDTREE_GPU_LAB_MODELS=$LAB/models DDTREE_GPU_LAB_LOGS=$LAB/logs $STEP_TIMEOUT python -m pytest -p no:cacheprovider "$@" ;;
+        python) $STEP_TIMEOUT python "$@" ;;
         *) echo "device.sh: unknown command '$kind' (cases, pytest or python)" >&2; return 2 ;;
     esac
 }

@@ -286,16 +286,23 @@ PROD_PROFILE_LEVELS = (1, 8)  # issue 33: where a verify's time goes at batch 1 
 
 
 def prod_spec(word: str) -> Spec:
-    """``dflash-fp32``, ``ddtree16-bf16``, ``plain-fp32``: decoder (budget), then the SSM state dtype;
-    ``ddtree16base-fp32``: the packed baseline plugin (pack.py --baseline REF)."""
+    """``dflash-fp32``, ``ddtree16-bf16``, ``plain-fp32``: decoder (budget), then the SSM state dtype of
+    the 27B hybrid shape; ``dflash-dense8b``, ``ddtree15-dense8b``: the dense Qwen3-8B shape (no SSM
+    state); ``ddtree16base-fp32``: the packed baseline plugin (pack.py --baseline REF); a decoder word
+    ending ``-eager`` runs the tree round without its CUDA graphs (SGLANG_DDTREE_ROUND_GRAPHS=0)."""
     decoder, _, ssm = word.partition("-")
     env: dict[str, str] = {}
+    if ssm.endswith("-eager"):
+        ssm = ssm[: -len("-eager")]
+        env["SGLANG_DDTREE_ROUND_GRAPHS"] = "0"
+    if ssm == "dense8b":
+        return _dense8b_spec(word, decoder, env)
     if decoder.endswith("base"):
         decoder = decoder[: -len("base")]
         base = baseline_env()
         if base is None:
             raise ValueError(f"{word!r}: no baseline plugin was packed (pack.py --baseline REF)")
-        env = base
+        env = {**env, **base}
     dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(ssm)
     if dtype is None:
         raise ValueError(f"{word!r}: end with -fp32 or -bf16 (the SSM state dtype)")
@@ -311,6 +318,20 @@ def prod_spec(word: str) -> Spec:
         raise ValueError(f"{word!r}: start with plain, dflash or ddtreeB")
     dummy = ["--load-format", "dummy"]
     return Spec(f"prod-{word}", "prod", algorithm, env=env, overrides=overrides, extra=dummy)
+
+
+def _dense8b_spec(word: str, decoder: str, env: dict[str, str]) -> Spec:
+    overrides: dict[str, Any] = {"mem-fraction-static": 0.88}
+    algorithm: str | None = None
+    if decoder == "dflash":
+        algorithm = "DFLASH"
+    elif decoder.startswith("ddtree") and decoder[6:].isdigit():
+        algorithm = "DDTREE"
+        overrides["speculative-ddtree-budget"] = int(decoder[6:])
+    elif decoder != "plain":
+        raise ValueError(f"{word!r}: start with plain, dflash or ddtreeB")
+    dummy = ["--load-format", "dummy"]
+    return Spec(f"prod-{word}", "prod8b", algorithm, env=env, overrides=overrides, extra=dummy)
 
 
 def profile_round(server: GpuServer, out: Path, level: int, steps: int = 24) -> dict[str, Any]:
@@ -345,9 +366,10 @@ def profile_round(server: GpuServer, out: Path, level: int, steps: int = 24) -> 
 def run_prod(models: Path, log_dir: Path) -> None:
     """One 27B server at a time (each takes the GPU): start, bench, profile at 1 and 8, stop."""
     from ddtree_runtime.health.server_bench import bench_server
-    from ddtree_sglang_gpu_lab.prod_shape import write_prod_pair
+    from ddtree_sglang_gpu_lab.prod_shape import write_dense8b_pair, write_prod_pair
 
     write_prod_pair(models / "hybrid", models / "prod")
+    write_dense8b_pair(models / "dense", models / "prod8b")
     words = os.environ.get("DDTREE_GPU_LAB_PROD", PROD_DEFAULT).split()
     # One timed repeat after each level's unmeasured warm pass (bench_server): the warm pass takes the
     # place of the cold first repeat the figures of 2026-12-02 had to drop, and the call keeps its length.
@@ -374,8 +396,11 @@ def run_prod(models: Path, log_dir: Path) -> None:
             for level, row in rows.items():
                 row.pop("ids", None)
                 emit({"case": "prod_summary", "server": spec.name, "concurrency": level, **row})
-            levels = os.environ.get("DDTREE_GPU_LAB_PROFILE_LEVELS", "")
-            for level in tuple(int(x) for x in levels.split()) or PROD_PROFILE_LEVELS:
+            levels = os.environ.get("DDTREE_GPU_LAB_PROFILE_LEVELS", "")  # "none": no profile
+            wanted: tuple[int, ...] = ()
+            if levels.strip() != "none":
+                wanted = tuple(int(x) for x in levels.split()) or PROD_PROFILE_LEVELS
+            for level in wanted:
                 report = profile_round(server, log_dir / "profiles" / f"{spec.name}-c{level}", level)
                 emit({"case": "prod_profile", "server": spec.name, "concurrency": level, **report})
         except RuntimeError as exc:

@@ -4,9 +4,12 @@ SGLang's overlap scheduler prepares round n+1 while round n runs on the GPU; a d
 inside the worker's ``forward_batch_generation`` stalls it every round. This wraps the decode forward
 of ``DDTreeWorker`` (trees) and ``DFlashWorkerV2`` (DFLASH's chain, for comparison) in CUDA's sync
 debug mode (``torch.cuda.set_sync_debug_mode("warn")``: every synchronizing CUDA call warns) and logs
-one line per decode forward: ``DDTREE_LAB_SYNC {"worker": ..., "bs": ..., "syncs": N, "sites": [...]}``
-with the Python frames that issued the first syncs. The device suite reads these lines from the
-server's log (tests/gpu/test_real_server_gpu.py). Prefill and idle forwards are not counted.
+one line per decode forward: ``DDTREE_LAB_SYNC {"worker": ..., "bs": ..., "syncs": N, "sites": [...],
+"compiles": M, "compiled": [...]}`` with the Python frames that issued the first syncs, and the Triton
+kernels compiled (loaded into the process for a new specialization: Triton's post-compile hook) during
+that forward, which a server that warmed its round at start-up never does under traffic (issue 40).
+The device suite reads these lines from the server's log (tests/gpu/test_real_server_gpu.py). Prefill
+and idle forwards are not counted.
 """
 
 from __future__ import annotations
@@ -23,6 +26,21 @@ from typing import Any
 ENV = "DDTREE_LAB_SYNC_WATCH"
 TAG = "DDTREE_LAB_SYNC"
 _active = False  # a DDTREE chain forward runs DFlashWorkerV2's: count it once
+_compiled: list[str] = []  # every Triton kernel this process compiled, in order (the hook below)
+
+
+def _count_compiles() -> None:
+    """Chain a recorder onto Triton's post-compile hook (called once per new specialization)."""
+    from triton import knobs
+
+    previous = knobs.runtime.jit_post_compile_hook
+
+    def record(*args: Any, **kwargs: Any) -> Any:
+        fn = kwargs.get("fn")  # Triton's JitFunctionInfo(module, name, jit_function)
+        _compiled.append(f"{getattr(fn, 'module', '?')}.{getattr(fn, 'name', fn)}")
+        return previous(*args, **kwargs) if previous is not None else False
+
+    knobs.runtime.jit_post_compile_hook = record
 
 
 def _is_decode(batch: Any) -> bool:
@@ -39,6 +57,7 @@ def watched(forward: Callable[..., Any], worker: str) -> Callable[..., Any]:
         import torch
 
         _active = True
+        compiled_before = len(_compiled)
         try:
             with warnings.catch_warnings(record=True) as seen:
                 warnings.simplefilter("always")
@@ -51,7 +70,9 @@ def watched(forward: Callable[..., Any], worker: str) -> Callable[..., Any]:
             _active = False
         syncs = [w for w in seen if "synchronizing CUDA operation" in str(w.message)]
         sites = [f"{os.path.basename(w.filename)}:{w.lineno}" for w in syncs[:4]]
-        record = {"worker": worker, "bs": len(batch.reqs), "syncs": len(syncs), "sites": sites}
+        compiled = _compiled[compiled_before:]
+        record = {"worker": worker, "bs": len(batch.reqs), "syncs": len(syncs), "sites": sites,
+                  "compiles": len(compiled), "compiled": compiled[:8]}  # fmt: skip
         print(TAG, json.dumps(record), file=sys.stderr, flush=True)  # the server's log
         return out
 
@@ -81,5 +102,6 @@ def install() -> None:
         return
     from ddtree_sglang_cpu_lab.base.hooks import after_import
 
+    _count_compiles()
     after_import("ddtree_runtime.sglang_plugin.ddtree_worker", _wrap("DDTreeWorker", "DDTREE"))
     after_import("sglang.srt.speculative.dflash_worker_v2", _wrap("DFlashWorkerV2", "DFLASH"))
