@@ -117,11 +117,17 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
     counts = cf.parse_metrics(text)
     horizon, horizon_source = _horizon(args, server)
     fit, profile_runs = None, None
+    if args.models_json and not args.profile:
+        raise ValueError("--models-json needs --profile NAME: each setting's fit is planned at the profile's "
+                         "flags (its running requests, context, state dtype)")  # fmt: skip
     if args.models_json:
         fit, profile_runs = load_host_fit(args.models_json, profile=args.profile, profiles_file=args.profiles,
                                           gpus=args.gpus, gpu=args.gpu, tp=args.tp)  # fmt: skip
     current, current_source = _current(args, server, horizon, profile_runs)
     counters = cf.check_counters(counts, horizon=horizon, running=current)
+    if current is None and counters.rounds_scored >= args.min_rounds:
+        raise tune.NoComparison(f"the setting this host runs is unknown ({current_source}): pass --current "
+                                "chain|BUDGET or --profile NAME; no proposal without it")  # fmt: skip
     est = cf.estimates(counters)
     concurrency = args.concurrency
     concurrency_source = "--concurrency"

@@ -633,3 +633,24 @@ def test_a_message_carrying_control_characters_stays_one_printable_line(tmp_path
     assert main(["tune", "--metrics-file", str(missing)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.strip().isprintable() and "\\x1b" in err, err
+
+
+def test_a_server_that_does_not_say_what_it_runs_leaves_no_current(tmp_path, capsys, monkeypatch) -> None:
+    info = {
+        "speculative_algorithm": "DDTREE",
+        "speculative_ddtree_budget": 7,
+        "speculative_ddtree_topk_cap": 1,
+        "speculative_dflash_block_size": HORIZON + 1,
+    }  # a capped tree no label names
+    monkeypatch.setattr(cf, "fetch_metrics", lambda url, timeout: text(sim("chain")))
+    monkeypatch.setattr("ddtree_runtime.health.sglang_client.server_info", lambda base, timeout: (200, info))
+    assert main(["tune", "--url", "http://127.0.0.1:1", "--concurrency", "1", "--min-rounds", "50"]) == 1
+    assert (
+        "unknown (the server's /server_info does not say (it runs budget 7 with top-K cap 1"
+        in capsys.readouterr().err
+    )
+
+
+def test_a_fit_needs_the_profile_it_is_planned_at(tmp_path: Path, capsys, qwen36_models_json) -> None:
+    line = refused(tmp_path, capsys, text(sim()), "--current", "32", "--models-json", str(qwen36_models_json))
+    assert "--models-json needs --profile" in line
