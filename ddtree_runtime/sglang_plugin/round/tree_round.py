@@ -86,7 +86,7 @@ class RoundConfig:
     mask_token_id: int
     page_size: int = 1
     topk_cap: int | None = None
-    window: int | None = None  # rows written per round; default the settings' KV window
+    window: int | None = None  # rows written per round; default max(budget + 1, block_size)
 
     @classmethod
     def from_settings(
@@ -99,11 +99,11 @@ class RoundConfig:
 
     @property
     def verify_rows(self) -> int:
-        return DecoderSettings(self.budget, self.block_size, self.topk_cap).verify_rows
+        return self.budget + 1
 
     @property
     def write_window(self) -> int:
-        return self.window or DecoderSettings(self.budget, self.block_size, self.topk_cap).kv_window
+        return self.window or max(self.verify_rows, self.block_size)
 
 
 @dataclass(frozen=True)
