@@ -115,6 +115,7 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
     else:
         text = read_input(args.metrics_file)
     counts = cf.parse_metrics(text)
+    table = _round_table(args.round_ms_json) if args.round_ms_json else None  # bad input before evidence
     horizon, horizon_source = _horizon(args, server)
     fit, profile_runs = None, None
     if args.models_json and not args.profile:
@@ -135,7 +136,6 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
         running = _running(text)
         concurrency = max(1.0, min(running or 1.0, 4096.0))
         concurrency_source = "sglang:num_running_reqs (a snapshot: pass --concurrency for the host's usual)"
-    table = _round_table(args.round_ms_json) if args.round_ms_json else None
     settings = [
         tune.Setting(e.label, e.tokens_per_round, e.tokens_per_round_se, e.paired_se, e.running) for e in est
     ]
