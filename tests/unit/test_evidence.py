@@ -165,11 +165,14 @@ def _bound(counts: dict, label: str) -> int:
     return m(counts) * per_round
 
 
-def test_a_tree_accepting_more_than_its_budget_a_round_is_refused(tmp_path: Path, capsys) -> None:
+@pytest.mark.parametrize(("label", "per_round"), [("8", 8), ("16", 15)])  # 16: at most the horizon, 15
+def test_a_tree_accepting_more_than_its_budget_a_round_is_refused(tmp_path, capsys, label, per_round) -> None:
     counts = sim()
-    counts["budgets"]["8"]["accepted_tokens"] = _bound(counts, "8") + 1  # more than 8 drafted tokens a round
+    counts["budgets"][label]["accepted_tokens"] = _bound(counts, label) + 1
     line = refused(tmp_path, capsys, text(counts), "--current", "32")
-    assert 'accepted_tokens_total{budget="8"}' in line and f"{m(counts)} rounds x 8" in line
+    assert (
+        f'accepted_tokens_total{{budget="{label}"}}' in line and f"{m(counts)} rounds x {per_round}" in line
+    )
 
 
 def test_the_chain_accepting_more_than_its_horizon_is_refused(tmp_path: Path, capsys) -> None:
@@ -362,6 +365,22 @@ def test_a_fresh_server_with_every_counter_at_zero_is_not_enough_evidence(tmp_pa
 
 
 # ------------------------------------------------------------------------- settings that cannot run
+
+
+def test_a_budget_above_the_validated_limit_is_never_proposed(tmp_path: Path, capsys) -> None:
+    """However well 64 would do (priced as cheap as 16 here), it is above 32, the largest budget shown
+    lossless on the H200 with CUDA graphs: left out, and the best runnable setting is proposed."""
+    table = tmp_path / "cheap64.json"
+    table.write_text(json.dumps({**TABLE, "64": {"1": 21.0}}))
+    code, out, err = tune(tmp_path, capsys, text(sim()), "--current", "32", "--round-ms-json", str(table))
+    assert code == 0, err
+    rec = json.loads(out)
+    rows = {r["setting"]: r for r in rec["table"]}
+    assert rows["64"]["tokens_per_s"] == max(r["tokens_per_s"] for r in rec["table"])
+    assert (
+        "above 32" in rows["64"]["left_out"] and rec["recommended"] != "64" and rec["best_runnable"] != "64"
+    )
+    assert rec["host_vars"]["sglang_service_flag_overrides"]["speculative-ddtree-budget"] != 64
 
 
 def test_without_a_plan_only_settings_needing_no_more_memory_are_proposed(tmp_path, capsys) -> None:
@@ -654,3 +673,34 @@ def test_a_server_that_does_not_say_what_it_runs_leaves_no_current(tmp_path, cap
 def test_a_fit_needs_the_profile_it_is_planned_at(tmp_path: Path, capsys, qwen36_models_json) -> None:
     line = refused(tmp_path, capsys, text(sim()), "--current", "32", "--models-json", str(qwen36_models_json))
     assert "--models-json needs --profile" in line
+
+
+def test_record_counterfactual_stores_only_counters_that_can_be_true(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """`ddtree metrics record-counterfactual` checks what it stores (with the server's running setting and
+    horizon), and the exporter skips, and names, a stored file that fails the checks."""
+    counts = sim("chain")
+    info = {"speculative_algorithm": "DFLASH", "speculative_dflash_block_size": HORIZON + 1}
+    scrape = {"text": text(counts)}
+    monkeypatch.setattr(cf, "fetch_metrics", lambda url, timeout: scrape["text"])
+    monkeypatch.setattr("ddtree_runtime.health.sglang_client.server_info", lambda base, timeout: (200, info))
+    root = tmp_path / "state"
+    record = ["metrics", "record-counterfactual", "--state-dir", str(root), "--url", "http://127.0.0.1:1"]
+    assert main([*record, "--unit", "sglang-qwen"]) == 0
+    stored = json.loads((root / "counterfactual" / "sglang-qwen.json").read_text())
+    assert (stored["horizon"], stored["running"], stored["counts"]) == (HORIZON, "chain", counts)
+    bad = copy.deepcopy(counts)
+    bad["budgets"]["16"]["accepted_tokens"] = _bound(bad, "16") + 1
+    scrape["text"] = text(bad)
+    assert main([*record, "--unit", "sglang-qwen-shadow"]) == 2
+    assert 'accepted_tokens_total{budget="16"}' in capsys.readouterr().err
+    assert not (root / "counterfactual" / "sglang-qwen-shadow.json").exists()
+    # A stored file forged after the fact: its series are skipped and the file named, the rest served.
+    (root / "counterfactual" / "sglang-qwen-shadow.json").write_text(json.dumps({**stored, "counts": bad}))
+    assert main(["metrics", "show", "--state-dir", str(root), "--no-systemd"]) == 0
+    out, err = capsys.readouterr()
+    assert 'ddtree_counterfactual_rounds_scored_total{unit="sglang-qwen"}' in out
+    series = [ln for ln in out.splitlines() if ln.startswith("ddtree_counterfactual_")]
+    assert series and not [ln for ln in series if 'unit="sglang-qwen-shadow"' in ln]
+    assert "counterfactual/sglang-qwen-shadow.json" in err
