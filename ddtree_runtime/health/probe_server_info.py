@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ddtree_runtime.core.decoder_settings import DecoderSettings, SettingsError
 from ddtree_runtime.health import sglang_client
 from ddtree_runtime.health.http_client import HTTPFailure
 from ddtree_runtime.health.probe_report import Report
@@ -49,6 +50,22 @@ def _block_size(report: Report, info: dict) -> int | None:
     return None
 
 
+def _round_tokens(report: Report, info: dict) -> tuple[int | None, str]:
+    """The most tokens one verify step can emit per request, and what it follows from: the decoder
+    settings' rule (``DecoderSettings.max_tokens_per_round``) for the handshake's budget, block and top-K
+    cap, else the drafter's block."""
+    block = _block_size(report, info)
+    hs = report.handshake
+    budget, cap = hs.get("budget"), hs.get("topk_cap")
+    if block is None or not isinstance(budget, int) or isinstance(budget, bool):
+        return block, f"block size {block}"
+    try:
+        settings = DecoderSettings(budget, block, cap)
+    except SettingsError:
+        return block, f"block size {block}"
+    return settings.max_tokens_per_round, f"block size {block}, budget {budget}"
+
+
 def check_accept_length(report: Report, info: dict, counts: list, base: str, timeout: float,
                          min_accept_length: float | None) -> None:
     try:
@@ -63,16 +80,16 @@ def check_accept_length(report: Report, info: dict, counts: list, base: str, tim
             report.check("accept_length", False, f"not reported by the server, minimum {min_accept_length:g}",
                          "acceptance_low")
         return
-    block = _block_size(report, info)
-    # Per-request meta counts the prefill's first token too: up to one token more than a block per request.
-    upper = None if block is None else block + (1 if source.startswith("generate") else 0)
+    most, why = _round_tokens(report, info)
+    # Per-request meta counts the prefill's first token too: up to one token more than a round per request.
+    upper = None if most is None else most + (1 if source.startswith("generate") else 0)
     valid = math.isfinite(accept) and accept >= 1 and (upper is None or accept <= upper)
     report.figures["accept_length"] = round(accept, 4) if valid else None
     if not valid:
         bound = f"1..{upper}" if upper is not None else "at least 1"
         report.figures["accept_length_reported"] = repr(accept)
         report.check("accept_length", False, f"the server reports {accept!r} tokens per verify step "
-                     f"({source}), outside the possible range {bound} (block size {block}): its "
+                     f"({source}), outside the possible range {bound} ({why}): its "
                      "speculative counters are broken", "accept_length_invalid")
         return
     if min_accept_length is not None:
