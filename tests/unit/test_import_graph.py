@@ -36,7 +36,7 @@ FLOORS: dict[str, tuple[str, ...]] = {
 
 # Modules a role sends alone to a host and runs there with the host's python (Ansible's script module):
 # no package on sys.path there, so they import the standard library only (one package import breaks
-# every deploy's fit check). roles/sglang_service/tasks/plan.yml ships core/model_files.py.
+# every deploy's fit check). roles/sglang_service/tasks/fit.yml ships core/model_files.py.
 SHIPPED_ALONE = (f"{PACKAGE}.core.model_files",)
 ROLES = ROOT.parent / "roles"
 
