@@ -18,8 +18,8 @@ def _load(path: str) -> dict:
 
 
 def test_layout_and_an_entry_point_per_task_file():
-    for part in ("defaults/main.yml", "tasks/main.yml", "handlers/main.yml", "meta/main.yml",
-                 "meta/argument_specs.yml", "vars/main.yml"):
+    for part in ("defaults/main.yml", "tasks/main.yml", "meta/main.yml", "meta/argument_specs.yml",
+                 "vars/main.yml"):
         assert (ROLE / part).is_file(), part
     specs = _load("meta/argument_specs.yml")["argument_specs"]
     assert set(specs) == ENTRY_POINTS
