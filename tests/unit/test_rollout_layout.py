@@ -53,11 +53,11 @@ def test_the_rollout_task_file_holds_the_sequence_and_the_rescue_in_order():
     ]
     assert steps == [
         ("ddtree_runtime", "main"),
-        ("ddtree_probe", "main"),
+        ("ddtree_probe", "static"),
         ("sglang_service", "prepare"),
         ("sglang_rotation", "leave"),
         ("sglang_service", "apply"),
-        ("ddtree_probe", "main"),
+        ("ddtree_probe", "live"),
         ("sglang_rotation", "join"),
         ("sglang_canary", "record"),
     ]
@@ -66,7 +66,7 @@ def test_the_rollout_task_file_holds_the_sequence_and_the_rescue_in_order():
         for t in _tasks(block["rescue"])
         if "ansible.builtin.include_role" in t and "tasks_from" in t["ansible.builtin.include_role"]
     ]
-    assert rescued == ["remove_shadow", "remove_shadow", "fingerprint", "rollback", "record"]
+    assert rescued == ["remove_shadow", "diagnose", "remove_shadow", "fingerprint", "rollback", "record"]
     assert "ansible.builtin.fail" in block["rescue"][-1]
 
 
