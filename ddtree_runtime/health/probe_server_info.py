@@ -10,7 +10,7 @@ from typing import Any
 from ddtree_runtime.health import sglang_client
 from ddtree_runtime.health.http_client import HTTPFailure
 from ddtree_runtime.health.probe_report import Report
-from ddtree_runtime.health.sglang_client import BadAnswer, number
+from ddtree_runtime.health.sglang_client import BadAnswer, ServerInfo, number
 
 
 def _accept_length(counts: list, info: dict, base: str, timeout: float) -> tuple[float | None, str]:
@@ -40,19 +40,10 @@ def _accept_length(counts: list, info: dict, base: str, timeout: float) -> tuple
     return None, "not reported"
 
 
-def _block_size(report: Report, info: dict) -> int | None:
-    """The most tokens one verify step can accept (bonus included): the drafter's block size."""
-    for value in (report.handshake.get("block_size"), info.get("speculative_dflash_block_size"),
-                  info.get("speculative_num_draft_tokens")):
-        if isinstance(value, int) and not isinstance(value, bool) and 2 <= value <= 10**6:
-            return value
-    return None
-
-
-def check_accept_length(report: Report, info: dict, counts: list, base: str, timeout: float,
+def check_accept_length(report: Report, server: ServerInfo, counts: list, base: str, timeout: float,
                          min_accept_length: float | None) -> None:
     try:
-        accept, source = _accept_length(counts, info, base, timeout)
+        accept, source = _accept_length(counts, server.raw, base, timeout)
     except BadAnswer as exc:
         report.check("accept_length", False, f"{exc}: not an SGLang 0.5.23 answer", "bad_response")
         return
@@ -63,7 +54,7 @@ def check_accept_length(report: Report, info: dict, counts: list, base: str, tim
             report.check("accept_length", False, f"not reported by the server, minimum {min_accept_length:g}",
                          "acceptance_low")
         return
-    block = _block_size(report, info)
+    block = server.block_size
     # Per-request meta counts the prefill's first token too: up to one token more than a block per request.
     upper = None if block is None else block + (1 if source.startswith("generate") else 0)
     valid = math.isfinite(accept) and accept >= 1 and (upper is None or accept <= upper)
@@ -107,13 +98,3 @@ def check_handshake(report: Report, hs: Any) -> None:
         report.check("handshake", False, detail + ": widths must be positive integers", "bad_response")
     else:
         report.check("handshake", True, detail)
-
-
-def overlap_schedule(info: dict[str, Any]) -> bool | None:
-    """Whether the server runs SGLang's overlap scheduler: the plugin's ``ddtree_overlap_schedule``,
-    else SGLang's own resolved ``disable_overlap_schedule``; None when neither is a boolean."""
-    value = info.get("ddtree_overlap_schedule")
-    if isinstance(value, bool):
-        return value
-    disabled = info.get("disable_overlap_schedule")
-    return (not disabled) if isinstance(disabled, bool) else None
