@@ -6,6 +6,7 @@ task, vars and defaults files, parsed."""
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,11 +48,16 @@ _ENV = jinja2.Environment()
 _ENV.filters, _ENV.tests = _Any(), _Any()
 
 
+@functools.cache
+def _yaml(path: Path) -> Any:
+    return yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
 def _spec(role: str) -> dict[str, Any]:
-    path = REPO / "roles" / role / "meta" / "argument_specs.yml"
-    return yaml.safe_load(path.read_text())["argument_specs"]
+    return _yaml(REPO / "roles" / role / "meta" / "argument_specs.yml")["argument_specs"]
 
 
+@functools.cache
 def declared_results() -> dict[str, frozenset[str] | None]:
     """Each role's published fact and its keys (None: not a dict), from its spec's main description."""
     out: dict[str, frozenset[str] | None] = {}
@@ -94,15 +100,16 @@ def _tasks(node: Any) -> Iterator[dict]:
             yield from _tasks(node.get(key))
 
 
-def _defined() -> set[str]:
+@functools.cache
+def _defined() -> frozenset[str]:
     """What the rollout defines itself: its options, vars/, set_fact, register and its own task vars."""
-    names = set(_spec(ROLE)["main"]["options"]) | set(yaml.safe_load((ROLLOUT / "vars/main.yml").read_text()))
+    names = set(_spec(ROLE)["main"]["options"]) | set(_yaml(ROLLOUT / "vars/main.yml"))
     for path in (ROLLOUT / "tasks").glob("*.yml"):
-        for task in _tasks(yaml.safe_load(path.read_text())):
+        for task in _tasks(_yaml(path)):
             names |= set(task.get("ansible.builtin.set_fact") or {})
             names |= {task["register"]} if "register" in task else set()
             names |= {k for k in task.get("vars") or {} if k.startswith(ROLE + "_")}
-    return names
+    return frozenset(names)
 
 
 def _key_reads(tree: nodes.Template) -> Iterator[tuple[str, str]]:
@@ -136,7 +143,7 @@ def undeclared_reads(sources: list[str]) -> list[str]:
 
 
 def rollout_sources() -> list[str]:
-    return [e for path in _files() for e in _expressions(yaml.safe_load(path.read_text()))]
+    return [e for path in _files() for e in _expressions(_yaml(path))]
 
 
 def test_the_rollout_reads_only_declared_results_and_its_own():
@@ -167,21 +174,21 @@ def test_each_role_publishes_the_fact_its_spec_declares():
     for name in results:
         role = next(r.name for r in (REPO / "roles").iterdir() if name.startswith(r.name + "_"))
         files = (REPO / "roles" / role / "tasks").glob("*.yml")
-        tasks = [t for p in files for t in _tasks(yaml.safe_load(p.read_text()))]
+        tasks = [t for p in files for t in _tasks(_yaml(p))]
         set_here = {k for t in tasks for k in t.get("ansible.builtin.set_fact") or {}}
         assert name in set_here, f"roles/{role} declares {name} but never sets it"
 
 
 def test_the_rollout_sets_only_its_own_facts():
     for path in (ROLLOUT / "tasks").glob("*.yml"):
-        for task in _tasks(yaml.safe_load(path.read_text())):
+        for task in _tasks(_yaml(path)):
             for name in task.get("ansible.builtin.set_fact") or {}:
                 assert name.startswith(ROLE + "_"), f"{path.name}: {task['name']} sets {name}"
 
 
 def _passed(path: Path) -> Iterator[tuple[str, str, str]]:
     """(role, entry point, variable) for every variable an include of a role passes it."""
-    for task in _tasks(yaml.safe_load(path.read_text())):
+    for task in _tasks(_yaml(path)):
         for key in INCLUDES:
             if isinstance(task.get(key), dict):
                 for name in task.get("vars") or {}:
