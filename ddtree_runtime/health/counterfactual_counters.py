@@ -152,24 +152,23 @@ class ServerDecoder:
 
 
 def server_decoder(info: Any) -> ServerDecoder:
-    """The running setting and the drafter's horizon from a ``/server_info`` answer (SGLang's resolved
-    flags: ``speculative_algorithm``, ``speculative_dflash_block_size``, the plugin's
-    ``speculative_ddtree_budget`` / ``_topk_cap``), by the decoder settings' own rule."""
+    """The running setting and the drafter's horizon from a ``/server_info`` answer, read by the one
+    reader (``sglang_client.read_server_info``: algorithm, block size, the plugin's budget and top-K
+    cap), by the decoder settings' own rule."""
     if not isinstance(info, Mapping):
         return ServerDecoder(None, None, "its /server_info is not an object")
-    block = info.get("speculative_dflash_block_size")
-    whole = isinstance(block, int) and not isinstance(block, bool)
-    if not (whole and MIN_BLOCK_SIZE <= block <= MAX_BLOCK_SIZE):
+    server = sglang_client.read_server_info(dict(info))
+    block = server.block_size
+    if block is not None and not MIN_BLOCK_SIZE <= block <= MAX_BLOCK_SIZE:
         block = None
     horizon = None if block is None else block - 1
-    algo = str(info.get("speculative_algorithm") or "none").upper()[:40]
-    if algo == "DFLASH":
+    if server.algorithm == "DFLASH":
         return ServerDecoder(CHAIN, horizon)
-    if algo != "DDTREE":
-        return ServerDecoder(None, horizon, f"it runs {algo}, not DDTREE or DFLASH")
+    if server.algorithm != "DDTREE":
+        return ServerDecoder(None, horizon, f"it runs {server.algorithm[:40]}, not DDTREE or DFLASH")
     if block is None:
         return ServerDecoder(None, None, "its /server_info has no speculative_dflash_block_size")
-    budget, cap = info.get("speculative_ddtree_budget"), info.get("speculative_ddtree_topk_cap")
+    budget, cap = server.budget, server.topk_cap
     try:
         settings = DecoderSettings(budget, block, cap)
     except SettingsError as exc:

@@ -235,6 +235,7 @@ class ServerInfo:
     algorithm: str  # speculative_algorithm, upper case; NONE when it runs none
     handshake: dict[str, Any] | None  # the plugin's hidden-width handshake (ddtree_handshake)
     budget: int | None  # the tree budget: the handshake's, else the resolved flag
+    topk_cap: int | None  # the tree's top-K cap: the handshake's, else the resolved flag (None: none)
     block_size: int | None  # the most tokens one verify step can accept (bonus included)
     overlap_schedule: bool | None  # whether it runs SGLang's overlap scheduler
     identity: dict[str, Any]  # IDENTITY_KEYS it reports (str or int)
@@ -258,6 +259,7 @@ def read_server_info(info: dict[str, Any]) -> ServerInfo:
         algorithm=(_text(info.get("speculative_algorithm")) or "NONE").upper()[:100],
         handshake=hs,
         budget=_small_int(shake.get("budget", info.get("speculative_ddtree_budget"))),
+        topk_cap=_small_int(shake.get("topk_cap", info.get("speculative_ddtree_topk_cap"))),
         block_size=next((b for b in blocks if is_int(b) and 2 <= b <= 10**6), None),
         overlap_schedule=overlap,
         identity={k: info[k] for k in IDENTITY_KEYS

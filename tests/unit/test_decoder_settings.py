@@ -137,12 +137,13 @@ def test_the_probe_bounds_a_round_by_the_settings(tmp_path) -> None:
     cap (one token more per request from generate's meta, which counts the prefill's token)."""
     from ddtree_runtime.health.probe_report import Report
     from ddtree_runtime.health.probe_server_info import check_accept_length
+    from ddtree_runtime.health.sglang_client import read_server_info
 
     def verdict(accept: float, handshake: dict) -> bool:
         report = Report(probe="live")
         report.handshake = handshake
-        info = {"internal_states": [{"avg_spec_accept_length": accept}]}
-        check_accept_length(report, info, [], "http://127.0.0.1:1", 1.0, None)
+        info = {"internal_states": [{"avg_spec_accept_length": accept}], "ddtree_handshake": handshake}
+        check_accept_length(report, read_server_info(info), [], "http://127.0.0.1:1", 1.0, None)
         return report.figures["accept_length"] is not None
 
     tree8 = {"budget": 8, "topk_cap": None, "block_size": 16}
