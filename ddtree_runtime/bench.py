@@ -262,7 +262,7 @@ def _server_main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"ddtree bench server: {exc}", file=sys.stderr)
         return 2
-    prompts = args.prompt or list(DEFAULT_SERVER_PROMPTS)
+    prompts = args.prompt or list(server_prompts())
     summary = bench_server(url, prompts, levels=args.concurrency, requests_per_level=args.requests,
                            repeats=args.repeats, max_new_tokens=args.max_new_tokens,
                            temperature=args.temperature, label=args.label,
@@ -273,17 +273,12 @@ def _server_main(args: argparse.Namespace) -> int:
     return 0
 
 
-# In the lab language (the lab pairs' drafters predict it) and plain text; any server answers them.
-DEFAULT_SERVER_PROMPTS = (
-    "the cat sees a",
-    "under the old tree",
-    "morning rain and",
-    "the fox carries a small stone",
-    "quiet evening",
-    "a bird sings while the river",
-    "The capital of France is",
-    "def fibonacci(n):",
-)
+def server_prompts() -> tuple[str, ...]:
+    """In the lab language (the lab pairs' drafters predict it) and plain text; any server answers them."""
+    from ddtree_runtime.health.prompts import CAPITAL, CODE
+    from ddtree_runtime.tiny_engine.language import LAB_PROMPTS
+
+    return (*LAB_PROMPTS, CAPITAL, CODE)
 
 
 def main(argv: list[str] | None = None) -> int:

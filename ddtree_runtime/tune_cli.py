@@ -1,11 +1,15 @@
 """`ddtree tune`: should this host run trees, and which budget? Reads the server's counterfactual
-counters (what each budget would have accepted on its own traffic, ``health/counterfactual.py``),
-prices each setting's round on the host's GPU (``planner/tune.py``) and names the setting with the
-most tokens/s at the host's concurrency, with the expected gain and its uncertainty. Writes nothing;
-``--propose`` prints the host_vars change a normal deploy (or a canary) then applies.
+counters (what each budget would have accepted on its own traffic, ``health/counterfactual_counters.py``),
+checks them against everything a real scorer can emit (``core/counterfactual_invariants.py``), prices each
+setting's round on the host's GPU (``planner/tune.py``) and names, among the settings the host can run
+(validated, and fitting its GPUs as ``ddtree plan`` decides: ``planner/tune_fit.py``), the one with the most
+tokens/s at the host's concurrency, with the expected gain over the setting that runs and its uncertainty.
+Writes nothing; ``--propose`` prints the host_vars change a normal deploy (or a canary) then applies.
 
-Exit codes: 0 a recommendation (a change or not), 1 not enough evidence (too few rounds, no counters),
-2 bad input, 3 the server did not answer.
+Exit codes: 0 a recommendation (a change, or keep what runs), 1 not enough evidence (too few rounds, no
+counters, no known current setting among the measured and priced ones), 2 bad input (counters no scorer
+can emit, a label that is not ``chain`` or a decimal budget, input beyond its limits: one line naming what
+and why), 3 the server did not answer.
 """
 
 from __future__ import annotations
@@ -14,43 +18,36 @@ import argparse
 import json
 import math
 import sys
-from pathlib import Path
 from typing import Any
 
-from ddtree_runtime.health import counterfactual as cf
-from ddtree_runtime.health import http_client
+from ddtree_runtime.core.decoder_settings import MAX_BLOCK_SIZE, parse_label
+from ddtree_runtime.health import counterfactual_counters as cf
+from ddtree_runtime.health import http_client, sglang_client
 from ddtree_runtime.planner import tune
+from ddtree_runtime.planner.cli import load_profiles, read_input
+from ddtree_runtime.planner.tune_fit import load_host_fit, profile_label
 
-MAX_FILE_BYTES = 16 * 1024 * 1024
-
-
-def _read_text(path: str) -> str:
-    if path == "-":
-        return sys.stdin.read(MAX_FILE_BYTES + 1)[:MAX_FILE_BYTES]
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"{path}: not a regular file")
-    if p.stat().st_size > MAX_FILE_BYTES:
-        raise ValueError(f"{path}: larger than {MAX_FILE_BYTES} bytes")
-    return p.read_text(encoding="utf-8", errors="replace")
+DEFAULT_HORIZON = 15  # Qwen3.6-27B-DFlash's block 16, when neither --horizon nor the server says
 
 
 def _round_table(path: str) -> dict[str, dict[int, float]]:
     """``{"chain": {"1": 22.7, "4": 38.1}, "16": {...}}``: measured ms per round per concurrency."""
     try:
-        doc = json.loads(_read_text(path))
+        doc = json.loads(read_input(path))
     except json.JSONDecodeError as exc:
         raise ValueError(f"--round-ms-json {path}: not JSON ({exc.msg} at line {exc.lineno})") from None
     if not isinstance(doc, dict) or not doc:
         raise ValueError(f"--round-ms-json {path}: want an object of setting -> {{concurrency: ms}}")
     table: dict[str, dict[int, float]] = {}
     for label, row in doc.items():
+        label = parse_label(label, what="--round-ms-json setting")
         if not isinstance(row, dict) or not row:
             raise ValueError(f"--round-ms-json: {label!r} must map concurrency to ms per round")
         clean: dict[int, float] = {}
         for c, ms in row.items():
             ok = (
-                str(c).isdigit()
+                str(c).isascii()
+                and str(c).isdigit()
                 and 1 <= int(c) <= 4096
                 and isinstance(ms, int | float)
                 and not isinstance(ms, bool)
@@ -60,28 +57,8 @@ def _round_table(path: str) -> dict[str, dict[int, float]]:
                     f"--round-ms-json: {label!r}: {c!r}: {ms!r} is not concurrency 1..4096 -> ms > 0"
                 )
             clean[int(c)] = float(ms)
-        table[str(label)] = clean
+        table[label] = clean
     return table
-
-
-def _current_from_server(url: str, timeout: float) -> str | None:
-    """The setting the server runs, from its /server_info (None when it does not say)."""
-    status, body = http_client.request(http_client.check_base_url(url) + "/server_info", timeout=timeout)
-    if status != 200:
-        return None
-    try:
-        info = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(info, dict):
-        return None
-    algo = str(info.get("speculative_algorithm") or "").upper()
-    if algo == "DFLASH" or (algo == "DDTREE" and info.get("speculative_ddtree_topk_cap") == 1):
-        return tune.CHAIN
-    budget = info.get("speculative_ddtree_budget")
-    if algo == "DDTREE" and isinstance(budget, int) and budget > 0:
-        return str(budget)
-    return None
 
 
 def _running(text: str) -> float | None:
@@ -96,31 +73,83 @@ def _running(text: str) -> float | None:
     return total
 
 
-def _report(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
-    text = fetch = None
+def _horizon(args: argparse.Namespace, server: cf.ServerDecoder | None) -> tuple[int, str]:
+    said = server.horizon if server is not None else None
+    if args.horizon is not None and said is not None and args.horizon != said:
+        raise ValueError(f"--horizon {args.horizon}, but the server's drafter block is {said + 1} (horizon "
+                         f"{said}): drop --horizon or read the right server")  # fmt: skip
+    if said is not None:
+        return said, "the server's speculative_dflash_block_size - 1"
+    if args.horizon is not None:
+        return args.horizon, "--horizon"
+    return DEFAULT_HORIZON, f"the default {DEFAULT_HORIZON} (Qwen3.6-27B-DFlash; pass --horizon)"
+
+
+def _current(args: argparse.Namespace, server: cf.ServerDecoder | None, horizon: int,
+             profile_runs: str | None) -> tuple[str | None, str]:  # fmt: skip
+    """The setting that runs, and who said so (None: nobody did)."""
+    if args.current is not None:
+        return parse_label(args.current, what="--current"), "--current"
+    if server is not None:
+        if server.label is not None:
+            return server.label, "the server's /server_info"
+        return None, f"the server's /server_info does not say ({server.why})"
+    if args.profile is not None:
+        runs = profile_runs
+        if runs is None:
+            profile = load_profiles(args.profiles).get(args.profile)
+            if profile is None:
+                raise ValueError(f"unknown profile {args.profile!r} (profiles.yml)")
+            runs = profile_label(profile.get("flags") or {}, horizon + 1)
+        return runs, f"profile {args.profile}"
+    return None, "nobody says"
+
+
+def _report(args: argparse.Namespace) -> dict[str, Any]:
+    server = None
     if args.url:
-        fetch = args.url
-        text = cf.fetch_metrics(args.url, timeout=args.timeout)
+        base = http_client.check_base_url(args.url)
+        text = cf.fetch_metrics(base, timeout=args.timeout)
+        _status, info = sglang_client.server_info(base, timeout=args.timeout)
+        server = cf.server_decoder(info)
     else:
-        text = _read_text(args.metrics_file)
+        text = read_input(args.metrics_file)
     counts = cf.parse_metrics(text)
-    est = cf.estimates(counts)
-    current = args.current
-    if current is None and fetch:
-        current = _current_from_server(fetch, args.timeout)
+    table = _round_table(args.round_ms_json) if args.round_ms_json else None  # bad input before evidence
+    horizon, horizon_source = _horizon(args, server)
+    fit, profile_runs = None, None
+    if args.models_json and not args.profile:
+        raise ValueError("--models-json needs --profile NAME: each setting's fit is planned at the profile's "
+                         "flags (its running requests, context, state dtype)")  # fmt: skip
+    if args.models_json:
+        fit, profile_runs = load_host_fit(args.models_json, profile=args.profile, profiles_file=args.profiles,
+                                          gpus=args.gpus, gpu=args.gpu, tp=args.tp)  # fmt: skip
+    current, current_source = _current(args, server, horizon, profile_runs)
+    counters = cf.check_counters(counts, horizon=horizon, running=current)
+    if current is None and counters.rounds_scored >= args.min_rounds:
+        raise tune.NoComparison(f"the setting this host runs is unknown ({current_source}): pass --current "
+                                "chain|BUDGET or --profile NAME; no proposal without it")  # fmt: skip
+    est = cf.estimates(counters)
     concurrency = args.concurrency
     concurrency_source = "--concurrency"
     if concurrency is None:
         running = _running(text)
-        concurrency = max(1.0, running or 1.0)
+        concurrency = max(1.0, min(running or 1.0, 4096.0))
         concurrency_source = "sglang:num_running_reqs (a snapshot: pass --concurrency for the host's usual)"
-    table = _round_table(args.round_ms_json) if args.round_ms_json else None
     settings = [
         tune.Setting(e.label, e.tokens_per_round, e.tokens_per_round_se, e.paired_se, e.running) for e in est
     ]
-    rounds = int(counts["rounds_scored"])
-    rec = tune.recommend(settings, concurrency=concurrency, current=current, rounds=rounds, gpu=args.gpu,
-                         tp=args.tp, table=table, min_rounds=args.min_rounds)  # fmt: skip
+    labels = [s.label for s in settings]
+    left_out = None
+    if current is not None and current in labels:
+        left_out = tune.runnable(labels, current=current, horizon=horizon, fit=fit)
+    rec = tune.recommend(settings, concurrency=concurrency, current=current, rounds=counters.rounds_scored,
+                         gpu=args.gpu, tp=args.tp, table=table, min_rounds=args.min_rounds,
+                         left_out=left_out)  # fmt: skip
+    rec["current_source"] = current_source
+    rec["horizon"], rec["horizon_source"] = horizon, horizon_source
+    rec["fit"] = ("ddtree plan (--models-json)" if fit
+                  else "not planned: no setting that needs more memory than what runs")  # fmt: skip
     rec["concurrency_source"] = concurrency_source
     if table:
         rec["cost_model"] = "measured table (--round-ms-json)"
@@ -129,14 +158,14 @@ def _report(args: argparse.Namespace) -> tuple[int, dict[str, Any]]:
     else:
         rec["cost_model"] = f"modelled from the H200 figures by memory bandwidth ({args.gpu} x tp {args.tp})"
     rec["estimates"] = [e.to_dict() for e in est]
-    rec["counts"] = {k: counts[k] for k in cf.ROUND_FIELDS}
+    rec["counts"] = {k: getattr(counters, k) for k in cf.ROUND_FIELDS}
     if args.propose:
-        rec["host_vars"] = _host_vars(rec, args.horizon)
-    return 0, rec
+        rec["host_vars"] = _host_vars(rec, horizon)
+    return rec
 
 
 def _host_vars(rec: dict[str, Any], horizon: int) -> dict[str, Any] | None:
-    if not rec["change"] or rec["recommended"] is None:
+    if not rec["change"]:
         return None
     return {"sglang_service_flag_overrides": tune.flag_overrides(rec["recommended"], horizon=horizon)}
 
@@ -144,26 +173,25 @@ def _host_vars(rec: dict[str, Any], horizon: int) -> dict[str, Any] | None:
 def _print(rec: dict[str, Any]) -> None:
     print(f"GPU {rec['gpu']} x tp {rec['tp']}, concurrency {rec['concurrency']:g} "
           f"({rec['concurrency_source']})")  # fmt: skip
-    print(f"cost: {rec['cost_model']}; {rec['rounds']} rounds scored")
+    print(f"cost: {rec['cost_model']}; fit: {rec['fit']}; {rec['rounds']} rounds scored; "
+          f"runs now: {rec['current']} ({rec['current_source']})")  # fmt: skip
     print(f"{'setting':>8} {'tok/round':>14} {'ms/round':>9} {'tok/s':>16}")
     for r in rec["table"]:
         mark = " <- runs now" if r["setting"] == rec["current"] else ""
+        if r["left_out"]:
+            mark += f" (left out: {r['left_out']})"
         tpr = f"{r['tokens_per_round']:>7.3f} ± {r['tokens_per_round_se']:<5.3f}"
         tps = f"{r['tokens_per_s']:>8.1f} ± {r['tokens_per_s_se']:<6.1f}"
         print(f"{r['setting']:>8} {tpr}{r['round_ms']:>9.1f} {tps}{mark}")
-    if rec["gain"] is None:
-        print(f"best: {rec['recommended']} (the current setting is unknown or unpriced: pass --current)")
-    elif rec["change"]:
-        gain = f"{rec['gain'] * 100:+.1f} % tokens/s ± {rec['gain_se'] * 100:.1f} %"
-        how = rec["gain_se_method"]
-        print(f"recommend: {rec['recommended']} instead of {rec['current']}: {gain} (1 s.e., {how})")
+    gain = f"{rec['gain'] * 100:+.1f} % tokens/s ± {rec['gain_se'] * 100:.1f} %"
+    if rec["change"]:
+        print(f"recommend: {rec['recommended']} instead of {rec['current']}: {gain} (1 s.e., "
+              f"{rec['gain_se_method']})")  # fmt: skip
     elif rec["gain_se_method"] == "none":
-        print(f"keep: {rec['current']} (the best setting here)")
+        print(f"keep: {rec['current']} (the best setting the host can run here)")
     else:
-        best = max(rec["table"], key=lambda r: r["tokens_per_s"])["setting"]
-        gain = f"{rec['gain'] * 100:+.1f} % ± {rec['gain_se'] * 100:.1f} %"
-        print(f"keep: {rec['current']} (best is {best}, {gain} ({rec['gain_se_method']}): "
-              "not two standard errors clear of zero)")  # fmt: skip
+        print(f"keep: {rec['current']} (best runnable is {rec['best_runnable']}, {gain} "
+              f"({rec['gain_se_method']}): not two standard errors clear of zero)")  # fmt: skip
     if "host_vars" in rec:
         if rec["host_vars"] is None:
             print("host_vars: no change")
@@ -174,29 +202,56 @@ def _print(rec: dict[str, Any]) -> None:
                 print(f"  {k}: {'null' if v is None else v}")
 
 
+def one_line(text: object, limit: int = 500) -> str:
+    """A message as one printable line: whitespace runs folded, anything unprintable escaped."""
+    flat = " ".join(str(text).split())
+    shown = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in flat)
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."
+
+
 def _run(args: argparse.Namespace) -> int:
     try:
-        code, rec = _report(args)
+        rec = _report(args)
     except (tune.TooFewRounds, cf.NoCounterfactual) as exc:
-        print(f"ddtree tune: {exc}", file=sys.stderr)
+        print(f"ddtree tune: {one_line(exc)}", file=sys.stderr)
         return 1
     except http_client.HTTPFailure as exc:
-        print(f"ddtree tune: {exc}", file=sys.stderr)
+        print(f"ddtree tune: {one_line(exc)}", file=sys.stderr)
         return 3
+    except cf.EvidenceError as exc:
+        print(f"ddtree tune: counters refused: {one_line(exc)}", file=sys.stderr)
+        return 2
     except (OSError, ValueError) as exc:
-        print(f"ddtree tune: {exc}", file=sys.stderr)
+        print(f"ddtree tune: {one_line(exc)}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(rec, indent=2, sort_keys=True))
     else:
         _print(rec)
-    return code
+    return 0
 
 
 def _positive_int(value: str) -> int:
-    if not value.isdigit() or not 1 <= int(value) <= 1_000_000:
+    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= 1_000_000:
         raise argparse.ArgumentTypeError(f"{value!r}: want an integer in 1..1000000")
     return int(value)
+
+
+def _horizon_arg(value: str) -> int:
+    if not (value.isascii() and value.isdigit()) or not 1 <= int(value) < MAX_BLOCK_SIZE:
+        raise argparse.ArgumentTypeError(f"{value!r}: want the drafter's horizon (block - 1), "
+                                         f"1..{MAX_BLOCK_SIZE - 1}")
+    return int(value)
+
+
+def _seconds(value: str) -> float:
+    try:
+        s = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: want seconds") from None
+    if not math.isfinite(s) or not 0 < s <= 86400:
+        raise argparse.ArgumentTypeError(f"{value!r}: want seconds in (0, 86400]")
+    return s
 
 
 def _concurrency(value: str) -> float:
@@ -228,8 +283,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=tune.MIN_ROUNDS,
         help=f"scored rounds needed before recommending (default {tune.MIN_ROUNDS})",
     )
-    p.add_argument("--horizon", type=_positive_int, default=15, help="drafter block - 1 (the chain's budget)")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds per HTTP request")
+    p.add_argument("--horizon", type=_horizon_arg, default=None, help="drafter block - 1, the chain's budget "
+                   f"(default: the server's, else {DEFAULT_HORIZON})")  # fmt: skip
+    p.add_argument("--models-json", help="the host's models (`model_files.py describe`, as `ddtree plan "
+                   "--models-json`): each setting's fit is planned")  # fmt: skip
+    p.add_argument("--profile", help="the host's profile (profiles.yml): its flags for the fit, and the "
+                   "setting it runs when neither --current nor the server says")  # fmt: skip
+    p.add_argument("--profiles", help="profiles.yml to read (default: the checkout's)")
+    p.add_argument("--gpus", help="the host's GPUs for the fit, as `ddtree plan --gpus` (default: the "
+                   "profile's runs_on, else --tp x --gpu)")  # fmt: skip
+    p.add_argument("--timeout", type=_seconds, default=10.0, help="seconds per HTTP request (0-86400)")
     p.add_argument("--propose", action="store_true", help="print the host_vars change (writes nothing)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_run)

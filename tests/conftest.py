@@ -49,12 +49,13 @@ def group_of(nodeid: str) -> str:
 # here. A test in them that starts a process fails (`_fast_tests_start_no_process`), so the list cannot
 # quietly turn slow; a new fast module is added here.
 FAST_MODULES = frozenset(f"tests/unit/{name}.py" for name in (
-    "test_contract", "test_controller_tasks", "test_counterfactual", "test_import_graph", "test_lab_base",
-    "test_tiny_engine", "test_tiny_hf_tokenizer",
+    "test_contract", "test_controller_tasks", "test_counterfactual", "test_decoder_settings", "test_evidence",
+    "test_import_graph", "test_lab_base", "test_tiny_engine", "test_tiny_hf_tokenizer",
     "test_lab_packages", "test_lossless", "test_metrics_exporter_role", "test_parallel_run",
-    "test_plugin_map", "test_plugin_warmup", "test_profile_choice", "test_report_file", "test_role_variables",
+    "test_plugin_map", "test_plugin_warmup", "test_profile_choice", "test_readiness", "test_report_file",
+    "test_role_variables", "test_server_info_reader",
     "test_roles_argspec",
-    "test_rollout_layout",
+    "test_rollout_layout", "test_rollout_reads",
     "test_server_bench", "test_tree_build", "test_tree_cli", "test_tree_commit", "test_tree_dispatch",
     "test_tree_sampling", "test_tree_verify", "test_tune",
 ))  # fmt: skip

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ddtree_runtime.core.decoder_settings import MAX_BUDGET
 from ddtree_runtime.core.tree import build_tree_from_topk, topk_log_probs
 from ddtree_runtime.core.tree_types import DraftTopK, DraftTree
 
@@ -40,7 +41,6 @@ __all__ = [
     "parse_candidates",
 ]
 
-MAX_BUDGET = 1024  # a tree budget beyond this is not a serving setting: refuse it rather than allocate
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ reader is defended against hostile input (regular files only, sizes capped, UTF-
 and every failure is one :class:`ContractError` whose message names the file and the likely cause.
 
 This file imports the standard library only, nothing of ours: the deploy sends it alone to a host that
-has the model files but no runtime installed yet (``roles/sglang_service/tasks/plan.yml``, Ansible's
+has the model files but no runtime installed yet (``roles/sglang_service/tasks/fit.yml``, Ansible's
 script module) and runs ``python3 model_files.py describe TARGET DRAFT`` there (:func:`main`).
 ``tests/unit/test_import_graph.py`` fails if it imports anything else.
 """

@@ -24,7 +24,7 @@ import urllib.parse
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ddtree_runtime.health import http_client, sglang_client
+from ddtree_runtime.health import http_client, readiness, sglang_client
 from ddtree_runtime.health.probe_report import Check
 from ddtree_runtime.health.prompts import DEFAULT_PROMPTS
 from ddtree_runtime.health.report_file import write_json_atomic
@@ -232,18 +232,10 @@ def same_address(live_url: str, shadow_url: str) -> str | None:
 
 
 def wait_ready(side: Side, timeout: float, poll_s: float = 1.0) -> None:
-    deadline, last = time.monotonic() + timeout, "no answer"
-    while True:
-        try:
-            status = sglang_client.health_generate(side.url, timeout=max(1.0, min(30.0, timeout)))
-            if status == 200:
-                return
-            last = f"HTTP {status}"
-        except (urllib.error.URLError, OSError) as exc:
-            last = str(getattr(exc, "reason", exc))
-        if time.monotonic() >= deadline:
-            raise SideUnavailable(f"{side.name} {side.url}/health_generate: {last} after {timeout:g} s")
-        time.sleep(poll_s)
+    found = readiness.wait(side.url, timeout, ask=sglang_client.health_generate, interval=poll_s)
+    if not found.ready:
+        where = f"{side.name} {side.url}{readiness.PATH}"
+        raise SideUnavailable(f"{where}: {found.last} after {found.waited_s:g} s")
 
 
 def read_server_info(side: Side, timeout: float) -> None:
@@ -256,19 +248,10 @@ def read_server_info(side: Side, timeout: float) -> None:
     info = info if status == 200 else None
     if not isinstance(info, dict):
         return
-    hs = info.get("ddtree_handshake") if isinstance(info.get("ddtree_handshake"), dict) else {}
-    side.version = _text(info.get("version"))
-    side.runtime_version = _text(info.get("ddtree_runtime_version"))
-    side.algorithm = (_text(info.get("speculative_algorithm")) or "NONE").upper()
-    side.budget = _small_int(hs.get("budget", info.get("speculative_ddtree_budget")))
-    side.block_size = _small_int(hs.get("block_size", info.get("speculative_dflash_block_size")))
-    side.identity = {key: info.get(key) for key in IDENTITY_KEYS if isinstance(info.get(key), str | int)
-                     and not isinstance(info.get(key), bool)}
-
-
-# What tells two servers apart, in the order it is trusted: the id each process draws at start (ddtree
-# builds), then the port and SGLang's random seed (drawn at start unless set).
-IDENTITY_KEYS = ("ddtree_instance_id", "port", "random_seed", "host")
+    server = sglang_client.read_server_info(info)
+    side.version, side.runtime_version = server.version, server.runtime_version
+    side.algorithm, side.budget, side.block_size = server.algorithm, server.budget, server.block_size
+    side.identity = server.identity
 
 
 def same_server(live: Side, shadow: Side) -> str | None:
@@ -294,14 +277,6 @@ def told_apart(live: Side, shadow: Side) -> bool:
     keys = ("port", "random_seed")
     return all(a.get(k) is not None and b.get(k) is not None for k in keys) and (
         (a["port"], a["random_seed"]) != (b["port"], b["random_seed"]))
-
-
-def _text(value: Any) -> str | None:
-    return value[:200] if isinstance(value, str) else None
-
-
-def _small_int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 1 << 20 else None
 
 
 def generate(side: Side, prompt: str, max_new_tokens: int, timeout: float) -> Answer:

@@ -15,7 +15,6 @@ import argparse
 import contextlib
 import datetime as dt
 import fcntl
-import math
 import os
 import re
 import subprocess
@@ -29,7 +28,8 @@ from prometheus_client import CollectorRegistry, generate_latest, start_http_ser
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ddtree_runtime.core.model_files import ContractError, read_json_file
-from ddtree_runtime.health import counterfactual as cf
+from ddtree_runtime.health import counterfactual_counters as cf
+from ddtree_runtime.health import http_client, sglang_client
 from ddtree_runtime.health.report_file import write_json_atomic
 
 DEFAULT_STATE_ROOT = "/var/lib/ddtree"
@@ -225,17 +225,16 @@ class DDTreeCollector:
         doc = _read_json(path)
         if doc is None:
             return []
-        counts = _obj(doc, "counts", path)
         try:
-            text_counts = _counts_from_state(counts)
-            est = cf.estimates(text_counts)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise BadStateFile(f"state file {path}: counts are not the scorer's: {exc}") from None
-        out: list[Sample] = [("cf_rounds_scored", [unit], float(text_counts["rounds_scored"]))]
+            counters = cf.counters_from_state(doc)
+        except ValueError as exc:
+            raise BadStateFile(f"state file {path}: counts are not the scorer's: {str(exc)[:300]}") from None
+        est = cf.estimates(counters)
+        out: list[Sample] = [("cf_rounds_scored", [unit], float(counters.rounds_scored))]
         if (stamp := _num(doc.get("time"))) is not None:
             out.append(("cf_timestamp_seconds", [unit], stamp))
-        for label, c in sorted(text_counts["budgets"].items()):
-            out.append(("cf_accepted_tokens", [unit, _label(label)], c["accepted_tokens"]))
+        for label, c in sorted(counters.candidates.items()):
+            out.append(("cf_accepted_tokens", [unit, _label(label)], float(c.accepted_tokens)))
         for e in est:
             out.append(("cf_tokens_per_round", [unit, _label(e.label)], e.tokens_per_round))
             out.append(("cf_tokens_per_round_stderr", [unit, _label(e.label)], e.tokens_per_round_se))
@@ -340,29 +339,20 @@ def _counterfactual_families() -> dict[str, GaugeMetricFamily | CounterMetricFam
     }  # fmt: skip
 
 
-def _counts_from_state(counts: dict[str, Any]) -> dict[str, Any]:
-    """The stored counts, checked: finite counts >= 0 (a state file is input like any other)."""
-    def count(value: Any, what: str) -> float:
-        v = _num(value)
-        if v is None or not math.isfinite(v) or v < 0:
-            raise ValueError(f"{what} must be a count, got {repr(value)[:40]}")
-        return v
-
-    out: dict[str, Any] = {k: count(counts[k], k) for k in cf.ROUND_FIELDS}
-    budgets = counts["budgets"]
-    if not isinstance(budgets, dict):
-        raise ValueError("budgets must be an object")
-    out["budgets"] = {str(label)[:40]: {k: count(b[k], f"{label}.{k}") for k in cf.BUDGET_FIELDS}
-                      for label, b in budgets.items()}  # fmt: skip
-    return out
-
-
 def record_counterfactual(state_root: str, unit: str, url: str, *, timeout: float = 10.0) -> Path:
-    """Read the server's counterfactual counters from its /metrics into ROOT/counterfactual/UNIT.json."""
-    counts = cf.parse_metrics(cf.fetch_metrics(url, timeout=timeout))
+    """Read the server's counterfactual counters from its /metrics into ROOT/counterfactual/UNIT.json, with
+    the setting it runs and its drafter's horizon from its /server_info; counters no scorer can emit are
+    refused (EvidenceError), never stored."""
+    base = http_client.check_base_url(url)
+    text = cf.fetch_metrics(base, timeout=timeout)
+    _status, info = sglang_client.server_info(base, timeout=timeout)
+    server = cf.server_decoder(info)
+    counters = cf.read_counters(text, horizon=server.horizon, running=server.label)
     path = Path(state_root) / "counterfactual" / f"{_checked_unit(unit)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic({"url": url, "time": time.time(), "counts": counts}, path)
+    doc = {"url": url, "time": time.time(), "counts": counters.to_counts(), "horizon": server.horizon,
+           "running": server.label}  # fmt: skip
+    write_json_atomic(doc, path)
     return path
 
 

@@ -13,7 +13,7 @@ from ddtree_runtime.health.probe_generate import generate_answers
 from ddtree_runtime.health.probe_lossless import check_lossless_result, run_lossless, tokenize_prompts
 from ddtree_runtime.health.probe_ready import wait_ready
 from ddtree_runtime.health.probe_report import ProbeInputError, Report, check_exchange
-from ddtree_runtime.health.probe_server_info import check_accept_length, check_handshake, overlap_schedule
+from ddtree_runtime.health.probe_server_info import check_accept_length, check_handshake
 from ddtree_runtime.health.prompts import DEFAULT_PROMPTS
 from ddtree_runtime.health.sglang_client import is_int
 
@@ -93,19 +93,20 @@ def live_probe(url: str, *, timeout: float = 600, min_accept_length: float | Non
         shown = f"HTTP {status}" if status != 200 else "HTTP 200 but not a JSON object"
         report.check("server_info", False, f"/server_info {shown}", "server_info_unavailable")
         return report
-    report.figures["version"] = str(info.get("version"))[:100]
-    algorithm = str(info.get("speculative_algorithm") or "NONE").upper()[:100]
+    server = sglang_client.read_server_info(info)
+    report.figures["version"] = server.version
+    algorithm = server.algorithm
     report.figures["speculative_algorithm"] = algorithm
-    report.figures["overlap_schedule"] = overlap_schedule(info)
+    report.figures["overlap_schedule"] = server.overlap_schedule
     wanted = {"speculative_algorithm": "DDTREE", **(expect or {})}
     wrong = [f"{k}={repr(info.get(k))[:100]} (want {v})" for k, v in wanted.items()
              if str(info.get(k)).upper() != str(v).upper()]
     report.check("flags", not wrong, "; ".join(wrong) or
                  ", ".join(f"{k}={info.get(k)}" for k in wanted), "flags_mismatch")
     if algorithm == "DDTREE":
-        check_handshake(report, info.get("ddtree_handshake"))
+        check_handshake(report, server.handshake)
     check_lossless_result(report, checked, allow_lossless_unchecked)
-    check_accept_length(report, info, counts, base, request_timeout, min_accept_length)
+    check_accept_length(report, server, counts, base, request_timeout, min_accept_length)
     if report.ok:
         hybrid = ", hybrid target" if report.handshake.get("target_hybrid") is True else ""
         shown = (f"lossless on {checked['tokens_checked']} tokens" if checked["status"] == lossless.PASSED

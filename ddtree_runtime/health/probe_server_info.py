@@ -7,10 +7,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ddtree_runtime.core.decoder_settings import DecoderSettings, SettingsError
 from ddtree_runtime.health import sglang_client
 from ddtree_runtime.health.http_client import HTTPFailure
 from ddtree_runtime.health.probe_report import Report
-from ddtree_runtime.health.sglang_client import BadAnswer, number
+from ddtree_runtime.health.sglang_client import BadAnswer, ServerInfo, number
 
 
 def _accept_length(counts: list, info: dict, base: str, timeout: float) -> tuple[float | None, str]:
@@ -40,19 +41,26 @@ def _accept_length(counts: list, info: dict, base: str, timeout: float) -> tuple
     return None, "not reported"
 
 
-def _block_size(report: Report, info: dict) -> int | None:
-    """The most tokens one verify step can accept (bonus included): the drafter's block size."""
-    for value in (report.handshake.get("block_size"), info.get("speculative_dflash_block_size"),
-                  info.get("speculative_num_draft_tokens")):
-        if isinstance(value, int) and not isinstance(value, bool) and 2 <= value <= 10**6:
-            return value
-    return None
+def _round_tokens(report: Report, server: ServerInfo) -> tuple[int | None, str]:
+    """The most tokens one verify step can emit per request, and what it follows from: the decoder
+    settings' rule (``DecoderSettings.max_tokens_per_round``) for the handshake's budget, block and top-K
+    cap, else the drafter's block."""
+    block = server.block_size
+    hs = report.handshake
+    budget, cap = hs.get("budget"), hs.get("topk_cap")
+    if block is None or not isinstance(budget, int) or isinstance(budget, bool):
+        return block, f"block size {block}"
+    try:
+        settings = DecoderSettings(budget, block, cap)
+    except SettingsError:
+        return block, f"block size {block}"
+    return settings.max_tokens_per_round, f"block size {block}, budget {budget}"
 
 
-def check_accept_length(report: Report, info: dict, counts: list, base: str, timeout: float,
+def check_accept_length(report: Report, server: ServerInfo, counts: list, base: str, timeout: float,
                          min_accept_length: float | None) -> None:
     try:
-        accept, source = _accept_length(counts, info, base, timeout)
+        accept, source = _accept_length(counts, server.raw, base, timeout)
     except BadAnswer as exc:
         report.check("accept_length", False, f"{exc}: not an SGLang 0.5.23 answer", "bad_response")
         return
@@ -63,16 +71,16 @@ def check_accept_length(report: Report, info: dict, counts: list, base: str, tim
             report.check("accept_length", False, f"not reported by the server, minimum {min_accept_length:g}",
                          "acceptance_low")
         return
-    block = _block_size(report, info)
-    # Per-request meta counts the prefill's first token too: up to one token more than a block per request.
-    upper = None if block is None else block + (1 if source.startswith("generate") else 0)
+    most, why = _round_tokens(report, server)
+    # Per-request meta counts the prefill's first token too: up to one token more than a round per request.
+    upper = None if most is None else most + (1 if source.startswith("generate") else 0)
     valid = math.isfinite(accept) and accept >= 1 and (upper is None or accept <= upper)
     report.figures["accept_length"] = round(accept, 4) if valid else None
     if not valid:
         bound = f"1..{upper}" if upper is not None else "at least 1"
         report.figures["accept_length_reported"] = repr(accept)
         report.check("accept_length", False, f"the server reports {accept!r} tokens per verify step "
-                     f"({source}), outside the possible range {bound} (block size {block}): its "
+                     f"({source}), outside the possible range {bound} ({why}): its "
                      "speculative counters are broken", "accept_length_invalid")
         return
     if min_accept_length is not None:
@@ -107,13 +115,3 @@ def check_handshake(report: Report, hs: Any) -> None:
         report.check("handshake", False, detail + ": widths must be positive integers", "bad_response")
     else:
         report.check("handshake", True, detail)
-
-
-def overlap_schedule(info: dict[str, Any]) -> bool | None:
-    """Whether the server runs SGLang's overlap scheduler: the plugin's ``ddtree_overlap_schedule``,
-    else SGLang's own resolved ``disable_overlap_schedule``; None when neither is a boolean."""
-    value = info.get("ddtree_overlap_schedule")
-    if isinstance(value, bool):
-        return value
-    disabled = info.get("disable_overlap_schedule")
-    return (not disabled) if isinstance(disabled, bool) else None

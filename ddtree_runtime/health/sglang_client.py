@@ -217,6 +217,64 @@ def top1(top: Any, where: str) -> tuple[float, int]:
     return best
 
 
+# What tells two servers apart, in the order it is trusted: the id each process draws at start (ddtree
+# builds), then the port and SGLang's random seed (drawn at start unless set).
+IDENTITY_KEYS = ("ddtree_instance_id", "port", "random_seed", "host")
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """A server's own account of itself (``GET /server_info``), read one way for the probe and the canary.
+
+    ``raw`` keeps the answer for fields asked by name (the profile's resolved flags, the per-scheduler
+    states); the rest is read here once. A field in a shape SGLang never writes reads as None."""
+
+    raw: dict[str, Any]
+    version: str | None
+    runtime_version: str | None  # the DDTREE plugin's ddtree_runtime_version
+    algorithm: str  # speculative_algorithm, upper case; NONE when it runs none
+    handshake: dict[str, Any] | None  # the plugin's hidden-width handshake (ddtree_handshake)
+    budget: int | None  # the tree budget: the handshake's, else the resolved flag
+    topk_cap: int | None  # the tree's top-K cap: the handshake's, else the resolved flag (None: none)
+    block_size: int | None  # the most tokens one verify step can accept (bonus included)
+    overlap_schedule: bool | None  # whether it runs SGLang's overlap scheduler
+    identity: dict[str, Any]  # IDENTITY_KEYS it reports (str or int)
+
+
+def read_server_info(info: dict[str, Any]) -> ServerInfo:
+    """The fields of a ``/server_info`` object (the caller has checked that it is one)."""
+    hs = info.get("ddtree_handshake") if isinstance(info.get("ddtree_handshake"), dict) else None
+    shake = hs or {}
+    blocks = (shake.get("block_size"), info.get("speculative_dflash_block_size"),
+              info.get("speculative_num_draft_tokens"))
+    # The plugin's own word on the overlap loop first, else SGLang's resolved flag.
+    overlap = info.get("ddtree_overlap_schedule")
+    if not isinstance(overlap, bool):
+        disabled = info.get("disable_overlap_schedule")
+        overlap = (not disabled) if isinstance(disabled, bool) else None
+    return ServerInfo(
+        raw=info,
+        version=_text(info.get("version")),
+        runtime_version=_text(info.get("ddtree_runtime_version")),
+        algorithm=(_text(info.get("speculative_algorithm")) or "NONE").upper()[:100],
+        handshake=hs,
+        budget=_small_int(shake.get("budget", info.get("speculative_ddtree_budget"))),
+        topk_cap=_small_int(shake.get("topk_cap", info.get("speculative_ddtree_topk_cap"))),
+        block_size=next((b for b in blocks if is_int(b) and 2 <= b <= 10**6), None),
+        overlap_schedule=overlap,
+        identity={k: info[k] for k in IDENTITY_KEYS
+                  if isinstance(info.get(k), str | int) and not isinstance(info[k], bool)},
+    )
+
+
+def _text(value: Any) -> str | None:
+    return value[:200] if isinstance(value, str) else None
+
+
+def _small_int(value: Any) -> int | None:
+    return value if is_int(value) and 0 <= value <= 1 << 20 else None
+
+
 def metric_value(text: str, name: str) -> float | None:
     """The first sample of `name` in Prometheus text (labels and timestamp allowed); malformed lines of
     other series are none of our business, a malformed sample of ours is a bad answer."""

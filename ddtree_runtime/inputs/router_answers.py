@@ -55,15 +55,18 @@ def worker_url(url: Any, name: str = "a worker URL") -> str | None:
 def router_workers(answer: Any, router: str) -> list[dict[str, Any]]:
     """A router's GET /workers answer ({"workers": [...]} or the list) as [{id, url, is_healthy}]: each id
     checked before it goes into a path, each URL in worker_url's spelling, health a JSON boolean (not a
-    truthy string). Workers of another scheme are left out (they serve no http traffic of ours). Anything
-    else is InputError, one line naming the router and the entry: a decision makes no change on it. The
-    result is itself such an answer (checking it again gives it back)."""
+    truthy string), ids unique and one per URL (a DELETE by id then removes the worker meant). Workers of
+    another scheme are left out (they serve no http traffic of ours). Anything else is InputError, one line
+    naming the router and the entry: a decision makes no change on it. The result is itself such an answer
+    (checking it again gives it back)."""
     listing = answer.get("workers") if isinstance(answer, Mapping) else answer
     if not isinstance(listing, list):
         raise InputError(f"router {router}: its GET /workers answer {show(answer)} is not a worker list")
     if len(listing) > MAX_WORKERS:
         raise InputError(f"router {router}: lists {len(listing)} workers, more than {MAX_WORKERS}")
     workers = []
+    ids: dict[str, int] = {}
+    urls: dict[str, str] = {}
     for i, entry in enumerate(listing):
         where = f"router {router} worker {i}"
         if not isinstance(entry, Mapping):
@@ -72,10 +75,18 @@ def router_workers(answer: Any, router: str) -> list[dict[str, Any]]:
         if not isinstance(wid, str) or not _WORKER_ID.fullmatch(wid):
             raise InputError(problem(f"{where} id", wid, "is not a worker id: 1-128 of letters, digits and "
                                      "'_.-', starting with a letter or digit"))
+        if wid in ids:  # a DELETE /workers/<id> meant for one of them could remove the other
+            raise InputError(f"router {router}: workers {ids[wid]} and {i} share the id {wid!r}: a removal "
+                             "by id could take out the wrong one; nothing is decided on this answer")
+        ids[wid] = i
         if not isinstance(healthy, bool):
             raise InputError(problem(f"{where} is_healthy", healthy, "is not a JSON boolean"))
         url = worker_url(entry.get("url"), f"{where} url")
+        if url is not None and url in urls:
+            raise InputError(f"router {router}: {url} is listed twice (ids {urls[url]!r} and {wid!r}): ids "
+                             "do not map one to one onto worker URLs; nothing is decided on this answer")
         if url is not None:
+            urls[url] = wid
             workers.append({"id": wid, "url": url, "is_healthy": healthy})
     return workers
 

@@ -7,13 +7,14 @@ both engines' own `/metrics` (`sglang:e2e_request_latency_seconds`, a histogram)
 the window: requests, failures, mean and median latency per side. The shadow passes when it served
 enough requests, failed no more often than live (plus an allowed increase), and was not much slower.
 
-The evidence is checked before it is judged: a counter that is not finite, that went down over the
-window, or that is missing (no outcome recorded for a worker under any spelling of its URL, no latency
-histogram) aborts with the reason; never a promotion on figures that cannot be read.
+The evidence is checked before it is judged: a counter that went down over the window, or that is missing
+(no outcome recorded for a worker under any spelling of its URL, no latency histogram) aborts with the
+reason; a counter that is not a finite number is bad input (exit 2), as everywhere else; never a promotion
+on figures that cannot be read.
 
 Run by the play on the controller as `python -m ddtree_runtime.ops.canary_traffic` with one JSON
 document on stdin; prints one JSON report. Exit 0 promote, 1 abort, 2 bad input (text that is not
-Prometheus', a bucket bound or count that is not a finite number: the verdict is abort then too).
+Prometheus', a counter, bucket bound or count that is not a finite number: the verdict is abort then too).
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def _same_worker(label: Any, url: str) -> bool:
 def outcomes(router_texts: list[str], url: str) -> tuple[float, float, bool]:
     """(successes, failures, any series at all) the routers counted for worker `url` (summed over
     routers and over the spellings of its URL). A value that is not finite stays in the sums: the
-    caller refuses it."""
+    caller refuses it as bad input."""
     ok = bad = 0.0
     seen = False
     for text in router_texts:
@@ -143,12 +144,14 @@ def quantile(q: float, buckets: dict[float, float]) -> float | None:
 def _evidence(
     url: str, before: dict[str, float], after: dict[str, float], seen: bool, has_latency: bool
 ) -> list[str]:
-    """Why the counters of `url` over the window cannot be judged (empty when they can)."""
+    """Why the counters of `url` over the window cannot be judged (empty when they can); a counter that
+    is not a finite number is not evidence at all (TrafficInputError: exit 2)."""
     why = []
     for name in after:
         if not (math.isfinite(before[name]) and math.isfinite(after[name])):
-            why.append(f"{url}: {name} is not a finite number ({before[name]!r} -> {after[name]!r})")
-        elif after[name] < before[name]:
+            raise TrafficInputError(f"{url}: {name} is not a finite number ({before[name]!r} -> "
+                                    f"{after[name]!r}): a counter counts")  # fmt: skip
+        if after[name] < before[name]:
             why.append(f"{url}: {name} went down ({before[name]:g} -> {after[name]:g}): did it restart?")
     if not seen:
         why.append(

@@ -62,21 +62,12 @@ def last_probe(unit: str) -> dict | None:
 
 
 def counterfactual(unit: str) -> dict | None:
-    """Rounds scored and, per budget, the tokens per round a server running it would emit (the
-    renewal-weighted estimate of docs/counterfactual-acceptance.md) from the stored counters."""
+    """The counters `ddtree metrics record-counterfactual` stored for the unit, as stored: the controller
+    checks them (core/counterfactual_invariants.py) and estimates (docs/counterfactual-acceptance.md)."""
     doc = _json(STATE_ROOT / "counterfactual" / f"{unit}.json")
-    counts = (doc or {}).get("counts")
-    if not isinstance(counts, dict) or not isinstance(counts.get("budgets"), dict):
+    if doc is None or not isinstance(doc.get("counts"), dict):
         return None
-    real, rounds = counts.get("real_emitted_tokens"), counts.get("rounds_scored")
-    if not isinstance(real, int | float) or not isinstance(rounds, int | float):
-        return None
-    per = {}
-    for label, b in list(counts["budgets"].items())[:16]:
-        weight = b.get("round_weight") if isinstance(b, dict) else None
-        if isinstance(weight, int | float) and not isinstance(weight, bool) and weight > 0:
-            per[str(label)[:20]] = round(real / weight, 3)
-    return {"rounds": rounds, "time": doc.get("time"), "tokens_per_round": per}
+    return {k: doc.get(k) for k in ("time", "counts", "horizon", "running")}
 
 
 def gpus() -> list[dict] | None:

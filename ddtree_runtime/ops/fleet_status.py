@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddtree_runtime.health import counterfactual_counters
 from ddtree_runtime.ops.fleet_inventory import RouterTarget, Target
 from ddtree_runtime.ops.fleet_ssh import run_remote, why_unreachable
 
@@ -37,7 +38,7 @@ class Row:
     accept_length: float | None = None
     gpu_memory: list[dict] | None = field(default=None)
     rotation: list[str] | None = None  # "ROUTER: in | out | in (unhealthy)" per router in front of the host
-    # {"rounds", "tokens_per_round": {budget: float}}: docs/counterfactual-acceptance.md
+    # {"rounds", "tokens_per_round": {budget: float}} or {"refused": why}: docs/counterfactual-acceptance.md
     counterfactual: dict | None = None
 
     def to_dict(self) -> dict[str, Any]:
@@ -74,12 +75,17 @@ def _gpu_rows(value: Any) -> list[dict] | None:
 
 
 def _counterfactual(value: Any) -> dict | None:
-    value = _dict(value)
-    rounds, per = _as(float, value.get("rounds")), _dict(value.get("tokens_per_round"))
-    if rounds is None:
+    """The host's stored counters, checked as the server's own and estimated here (the host's answer is
+    not trusted): {"rounds", "tokens_per_round": {label: float}}, or {"refused": why} for counters no
+    scorer can emit."""
+    if not isinstance(value, dict) or not isinstance(value.get("counts"), dict):
         return None
-    tpr = {str(k)[:20]: v for k, v in list(per.items())[:16] if _as(float, v) is not None}
-    return {"rounds": int(rounds), "tokens_per_round": tpr}
+    try:
+        counters = counterfactual_counters.counters_from_state(value)
+    except ValueError as exc:
+        return {"refused": " ".join(str(exc).split())[:300]}
+    tpr = {e.label: round(e.tokens_per_round, 3) for e in counterfactual_counters.estimates(counters)}
+    return {"rounds": counters.rounds_scored, "tokens_per_round": tpr}
 
 
 def rows_from_facts(host: str, facts: Any, units: list[str]) -> list[Row]:

@@ -35,6 +35,8 @@ def _cell(row: Row, key: str, now: float) -> str:
         return "-" if row.rotation is None else "; ".join(row.rotation)
     if key == "counterfactual":
         cf = row.counterfactual
+        if cf and cf.get("refused"):
+            return f"refused: {cf['refused'][:80]}"
         if not cf or not cf["tokens_per_round"]:
             return "-"
         tpr = cf["tokens_per_round"]

@@ -9,7 +9,8 @@ host, on the controller during a deploy's preflight and in CI.
 Modules, one job each: ``shapes`` (model files -> the shapes SGLang sizes from), ``gpus`` (GPU
 facts), ``settings`` (profile flags -> SGLang's resolved settings), ``accounting`` (the per-GPU
 terms and the verdict), ``fixes`` (the smallest changes that fit), ``report`` (table and JSON),
-``cli`` (``ddtree plan``); ``tune`` (``ddtree tune``'s round-cost model and pick) and ``profile_choice``
+``cli`` (``ddtree plan``); ``tune`` (``ddtree tune``'s round-cost model and pick), ``tune_fit`` (whether a
+setting ``ddtree tune`` may propose fits the host, as ``ddtree plan`` decides) and ``profile_choice``
 (which decoder each shipped profile's figures choose, docs/bench/profile-choice.md).
 """
 

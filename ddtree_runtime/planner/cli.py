@@ -48,7 +48,7 @@ def load_profiles(path: str | Path | None = None) -> dict[str, Any]:
     if not path.exists():
         raise PlanError(f"{path} not found: pass --profiles FILE, or the flags with --flags-json")
     try:
-        data = yaml.safe_load(_read(str(path)))
+        data = yaml.safe_load(read_input(str(path)))
     except yaml.YAMLError as exc:
         raise PlanError(f"{path} is not YAML: {str(exc)[:120]}") from None
     profiles = data.get("sglang_service_profiles") if isinstance(data, dict) else None
@@ -99,18 +99,18 @@ def _visible(text: str | None) -> list[int] | None:
 MAX_INPUT_BYTES = 16 * 1024 * 1024
 
 
-def _read(source: str) -> str:
+def read_input(source: str) -> str:
     if source == "-":
         raw = sys.stdin.buffer.read(MAX_INPUT_BYTES + 1)
     else:
         try:
             fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK)
-        except OSError as exc:
-            raise PlanError(f"cannot read {source}: {exc.strerror or exc}") from None
+        except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+            raise PlanError(f"cannot read {source}: {getattr(exc, 'strerror', None) or exc}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen: it refuses a directory its own way
+            os.close(fd)
+            raise PlanError(f"{source} is not a regular file: save the input to a file, or pipe it to '-'")
         with os.fdopen(fd, "rb") as fh:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise PlanError(f"{source} is not a regular file: save the input to a file, or pipe it "
-                                "to '-'")
             raw = fh.read(MAX_INPUT_BYTES + 1)
     if len(raw) > MAX_INPUT_BYTES:
         raise PlanError(f"{source} holds more than {MAX_INPUT_BYTES >> 20} MiB: not an input the planner "
@@ -121,7 +121,7 @@ def _read(source: str) -> str:
         raise PlanError(f"{source} is not UTF-8 text (bad byte at offset {exc.start})") from None
 
 
-def _json(text: str, what: str, kind: type | tuple[type, ...]) -> Any:
+def parse_json(text: str, what: str, kind: type | tuple[type, ...]) -> Any:
     try:
         doc = json.loads(text)
     except (ValueError, RecursionError) as exc:
@@ -136,11 +136,11 @@ def _gpus(args: argparse.Namespace, runs_on: dict[str, Any] | None) -> list[gpu_
     if args.gpus:
         return gpu_facts.parse_shorthand(args.gpus)
     if args.nvidia_smi:
-        return gpu_facts.parse_nvidia_smi_csv(_read(args.nvidia_smi))
+        return gpu_facts.parse_nvidia_smi_csv(read_input(args.nvidia_smi))
     if args.nvidia_smi_csv is not None:
         return gpu_facts.parse_nvidia_smi_csv(args.nvidia_smi_csv)
     if args.gpus_json:
-        return gpu_facts.from_declared(_json(args.gpus_json, "--gpus-json", (list, dict)))
+        return gpu_facts.from_declared(parse_json(args.gpus_json, "--gpus-json", (list, dict)))
     if shutil.which("nvidia-smi"):
         out = subprocess.run(gpu_facts.NVIDIA_SMI_COMMAND, capture_output=True, text=True, timeout=60)
         if out.returncode != 0:
@@ -159,7 +159,7 @@ def _gpus(args: argparse.Namespace, runs_on: dict[str, Any] | None) -> list[gpu_
 
 def _models(args: argparse.Namespace) -> ModelPair:
     if args.models_json:
-        return model_pair_from_description(_json(_read(args.models_json), "--models-json", dict))
+        return model_pair_from_description(parse_json(read_input(args.models_json), "--models-json", dict))
     if not (args.model_path and args.draft_model_path):
         raise PlanError("give --model-path and --draft-model-path (or --models-json)")
     return load_model_pair(args.model_path, args.draft_model_path)
@@ -180,7 +180,7 @@ def _settings(
             raise PlanError(f"unknown profile {name!r}; profiles: {', '.join(profiles)}")
         flags.update(profiles[name].get("flags") or {})
     if flags_json:
-        flags.update(_json(flags_json, "the flags JSON", dict))
+        flags.update(parse_json(flags_json, "the flags JSON", dict))
     flags.update(parse_launch_flags(extra))
     return from_flags(flags)
 

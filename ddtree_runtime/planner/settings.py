@@ -1,11 +1,12 @@
 """A profile's flags (SGLang 0.5.23 spelling, as in profiles.yml) and what SGLang resolves them to.
 
 The resolution mirrors the pinned release for the knobs that size memory: DFLASH's defaults
-(``arg_groups/speculative_hook._handle_dflash``: 48 running requests), DDTREE's widths (this
-plugin's ``algorithm.resolve_server_args``: verify width budget + 1, per-request reservation
-max(budget + 1, block)), the overlap scheduler (on for trees and the chain unless disabled),
-the mamba radix strategy (``arg_groups/overrides._mamba_radix_cache_resolution``) and the GPU-size defaults
-(``arg_groups/memory_hook.handle_gpu_memory_settings``).
+(``arg_groups/speculative_hook._handle_dflash``: 48 running requests), DDTREE's widths (the decoder
+settings' one rule, ``core/decoder_settings.DecoderSettings``, which the plugin's
+``algorithm.resolve_server_args`` applies too: verify width budget + 1, per-request reservation
+max(budget + 1, block), the default budget block - 1), the overlap scheduler (on for trees and the chain
+unless disabled), the mamba radix strategy (``arg_groups/overrides._mamba_radix_cache_resolution``) and the
+GPU-size defaults (``arg_groups/memory_hook.handle_gpu_memory_settings``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from ddtree_runtime.core.decoder_settings import (
+    MAX_BLOCK_SIZE,
+    MAX_BUDGET,
+    MIN_BLOCK_SIZE,
+    DecoderSettings,
+    SettingsError,
+)
 from ddtree_runtime.planner.shapes import DTYPE_BYTES, ModelPair, PlanError
 
 DFLASH_DEFAULT_MAX_RUNNING = 48
@@ -127,10 +135,12 @@ def _as_int(flag: str, value: Any) -> int:
 
 
 # The plausible range of each count (low, high): beyond it a flag is a typo or absurd, and the planner's
-# searches and tables would grow with it, so it is refused (exit 2) rather than planned.
+# searches and tables would grow with it, so it is refused (exit 2) rather than planned. The budget and the
+# drafter block take the decoder settings' limits: a budget the plugin refuses is not planned.
 LIMITS = {
     "tp_size": (1, 64), "context_length": (1, 1 << 26), "max_running_requests": (1, 1 << 16),
-    "budget": (1, 4096), "block_size": (2, 1024), "topk_cap": (1, 1 << 20), "cuda_graph_max_bs": (1, 4096),
+    "budget": (1, MAX_BUDGET), "block_size": (MIN_BLOCK_SIZE, MAX_BLOCK_SIZE), "topk_cap": (1, 1 << 20),
+    "cuda_graph_max_bs": (1, 4096),
     "page_size": (1, 4096), "gpu_id_step": (1, 64), "base_gpu_id": (0, 63),
     "max_mamba_cache_size": (0, 1 << 20), "chunked_prefill_size": (-1, 1 << 22),
     "max_prefill_tokens": (1, 1 << 24),
@@ -165,10 +175,7 @@ class Resolved:
     tp: int
     context_length: int
     requested_running: int
-    budget: int
-    block_size: int
-    verify_width: int  # budget + 1: tokens per request in each target verify
-    draft_tokens: int  # speculative_num_draft_tokens = max(budget + 1, block): per-request reservation
+    decoder: DecoderSettings  # budget, drafter block, top-K cap: the plugin's resolution
     overlap: bool
     radix_strategy: str | None  # None: no mamba radix cache
     mamba_ratio: int  # state slots per running request (_calculate_mamba_ratio)
@@ -182,13 +189,34 @@ class Resolved:
     mem_fraction_auto: bool
     gpu_mem_mib: int
 
+    @property
+    def budget(self) -> int:
+        return self.decoder.budget
+
+    @property
+    def block_size(self) -> int:
+        return self.decoder.block_size
+
+    @property
+    def verify_width(self) -> int:
+        """Tokens per request in each target verify (budget + 1)."""
+        return self.decoder.verify_rows
+
+    @property
+    def draft_tokens(self) -> int:
+        """``speculative_num_draft_tokens``: the per-request reservation, max(budget + 1, block)."""
+        return self.decoder.kv_window
+
 
 def resolve(settings: ServeSettings, pair: ModelPair, gpu_mem_mib: int) -> Resolved:
     target, draft = pair.target, pair.draft
     block = settings.block_size or draft.block_size
-    budget = settings.budget if settings.budget is not None else block - 1
     if block < 2:
         raise PlanError(f"the drafter block must be at least 2 (got {block})")
+    try:
+        decoder = DecoderSettings.resolve(settings.budget, block, settings.topk_cap)
+    except SettingsError as exc:
+        raise PlanError(str(exc)) from None
     # Trees and the chain alike keep SGLang's overlap scheduler unless disabled (the plugin's resolution).
     overlap = not settings.disable_overlap_schedule
     context = settings.context_length or target.context_length
@@ -218,10 +246,7 @@ def resolve(settings: ServeSettings, pair: ModelPair, gpu_mem_mib: int) -> Resol
         tp=settings.tp_size,
         context_length=context,
         requested_running=running,
-        budget=budget,
-        block_size=block,
-        verify_width=budget + 1,
-        draft_tokens=max(budget + 1, block),
+        decoder=decoder,
         overlap=overlap,
         radix_strategy=radix,
         mamba_ratio=ratio,

@@ -72,9 +72,8 @@ def tensor_parallel(plan: Plan) -> TensorParallel | None:
     running = plan.running_requests or r.requested_running
     rows = head_rows(running, r.block_size)
     vocab = target.vocab_size
-    chain = plan.settings.topk_cap == 1 and r.budget == r.block_size - 1
     # K as tree_types.topk_width: min(budget, V, top-k cap)
-    k = 0 if chain or not vocab else min(r.budget, vocab, plan.settings.topk_cap or r.budget)
+    k = 0 if r.decoder.is_chain or not vocab else min(r.budget, vocab, r.decoder.topk_cap or r.budget)
     return TensorParallel(
         tp=tp,
         weights_gib=(target.weights.per_rank(tp) + draft.weights.per_rank(tp)) / GIB,

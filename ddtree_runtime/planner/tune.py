@@ -37,11 +37,18 @@ with the last segment's slope.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-CHAIN = "chain"
+from ddtree_runtime.core.decoder_settings import (
+    CHAIN,
+    VALIDATED_MAX_BUDGET,
+    DecoderSettings,
+    parse_label,
+    settings_for_label,
+)
+
 MIN_ROUNDS = (
     200  # below this the spread of the estimates is too wide to act on (docs/counterfactual-acceptance.md)
 )
@@ -129,78 +136,104 @@ def round_ms(label: str, c: float, *, gpu: str = "H200", tp: int = 1,
 
 
 def _budget(label: str) -> int:
-    head = label.split("/", 1)[0]
-    if not head.isdigit() or int(head) < 1:
-        raise ValueError(f"setting {label!r} is neither 'chain' nor a budget")
-    return int(head)
+    return int(parse_label(label, what="setting"))
+
+
+class TooFewRounds(ValueError):
+    """Not enough evidence to recommend anything (the verb's exit 1): too few rounds scored."""
+
+
+class NoComparison(TooFewRounds):
+    """No known current setting among the measured and priced ones: nothing to compare against (exit 1)."""
+
+
+Fit = Callable[[DecoderSettings], str | None]  # why a setting does not fit the host (None: it fits)
+
+
+def runnable(labels: list[str], *, current: str, horizon: int, fit: Fit | None = None) -> dict[str, Any]:
+    """Per setting, why the host cannot run it (None: it can): above the validated limit
+    (``decoder_settings.VALIDATED_MAX_BUDGET``), or not fitting the host's GPUs as ``ddtree plan``
+    decides (``fit``: the reason, None when it fits). Without a plan, a setting that needs more memory
+    per request than the one that runs (a wider KV window or verify) is left out: its fit is unknown."""
+    block = horizon + 1
+    now = settings_for_label(current, block)
+    out: dict[str, str | None] = {}
+    for label in labels:
+        s = settings_for_label(label, block)
+        if label == current:
+            out[label] = None  # it runs: keeping it is always possible
+        elif not s.validated:
+            out[label] = (f"budget {s.budget} is above {VALIDATED_MAX_BUDGET}, the largest shown lossless on "
+                          "the H200 with CUDA graphs (docs/bench/gpu-lab-server.md)")  # fmt: skip
+        elif fit is not None:
+            out[label] = fit(s)
+        elif s.kv_window > now.kv_window or s.verify_rows > now.verify_rows:
+            out[label] = (f"needs more memory per request than {current} (KV window {s.kv_window} > "
+                          f"{now.kv_window} or verify rows {s.verify_rows} > {now.verify_rows}) and its fit "
+                          "is not planned: give --models-json (ddtree plan's) to decide")  # fmt: skip
+        else:
+            out[label] = None
+    return out
 
 
 def recommend(settings: list[Setting], *, concurrency: float, current: str | None, rounds: int,
               gpu: str = "H200", tp: int = 1, table: Mapping[str, Mapping[int, float]] | None = None,
-              min_rounds: int = MIN_ROUNDS) -> dict[str, Any]:  # fmt: skip
-    """The table and the pick. Raises ValueError on too few rounds or nonsense input (the verb's exit 2
-    vs 1 is decided by :class:`TooFewRounds`)."""
+              min_rounds: int = MIN_ROUNDS, left_out: Mapping[str, str | None] | None = None,
+              ) -> dict[str, Any]:  # fmt: skip
+    """The table and the pick among the settings the host can run (``left_out``: label -> why not, from
+    :func:`runnable`). Raises TooFewRounds / NoComparison (not enough evidence: exit 1) and ValueError."""
     if not (isinstance(concurrency, int | float) and math.isfinite(concurrency) and 1 <= concurrency <= 4096):
         raise ValueError(f"concurrency must be a number in 1..4096, got {concurrency!r}")
-    if not settings:
-        raise ValueError("no settings to compare")
     if rounds < min_rounds:
         raise TooFewRounds(
             f"only {rounds} rounds scored; {min_rounds} are needed before the estimates are worth acting on "
             "(raise --speculative-ddtree-counterfactual-fraction or wait for more greedy traffic)"
         )
+    measured = [s.label for s in settings]
+    if current is None:
+        raise NoComparison("the setting this host runs is unknown: pass --current chain|BUDGET or --profile "
+                           "NAME, or --url of a server whose /server_info says it; no proposal without it")
+    if current not in measured:
+        raise NoComparison(f"the host runs {current}, which the counters do not measure (they hold "
+                           f"{', '.join(measured) or 'none'}): add it to the server's "
+                           "--speculative-ddtree-counterfactual-budgets; no proposal without it")  # fmt: skip
+    left_out = left_out or {}
     rows = []
     for s in settings:
-        if s.label.split("/", 1)[0] != s.label:  # a capped tree: no profile spells it, no cost known
-            continue
         try:
             ms = round_ms(s.label, concurrency, gpu=gpu, tp=tp, table=table)
         except KeyError:
+            if s.label == current:
+                raise NoComparison(f"the round-cost table (--round-ms-json) has no cost for {current}, the "
+                                   "setting that runs: nothing to compare against") from None  # fmt: skip
             continue  # a measured table without this setting: not priced, not ranked
         tps = concurrency * s.tokens_per_round / ms * 1e3
         rel = s.tokens_per_round_se / s.tokens_per_round if s.tokens_per_round > 0 else 0.0
         rows.append({"setting": s.label, "tokens_per_round": s.tokens_per_round,
                      "tokens_per_round_se": s.tokens_per_round_se, "round_ms": ms,
                      "tokens_per_s": tps, "tokens_per_s_se": tps * rel, "paired_se": s.paired_se,
-                     "running": s.running})  # fmt: skip
-    if not rows:
-        raise ValueError("no measured setting has a round cost on this GPU (see --round-ms-json)")
-    best = max(rows, key=lambda r: r["tokens_per_s"])
-    cur = next((r for r in rows if r["setting"] == current), None)
-    out: dict[str, Any] = {"gpu": gpu, "tp": tp, "concurrency": concurrency, "rounds": rounds,
-                           "current": current, "recommended": best["setting"], "table": rows}  # fmt: skip
-    if cur is not None:
-        gain = best["tokens_per_s"] / cur["tokens_per_s"] - 1
-        if best is cur:
-            se, how = 0.0, "none"
-        elif cur["running"] and best["paired_se"] is not None:
-            # Both measured on the same rounds: the ratio's noise is the difference's, relative to the
-            # best's tokens per round (first order), much less than the two errors combined.
-            se, how = (1 + gain) * best["paired_se"] / best["tokens_per_round"], "paired"
-        else:
-            rel_b = best["tokens_per_s_se"] / best["tokens_per_s"]
-            rel_c = cur["tokens_per_s_se"] / cur["tokens_per_s"]
-            se, how = (1 + gain) * math.hypot(rel_b, rel_c), "independent"
-        out["gain"] = gain
-        out["gain_se"] = se
-        out["gain_se_method"] = how
-        # Act only on a gain two standard errors clear of zero; otherwise keep what runs.
-        out["change"] = best is not cur and gain - 2 * se > 0
-        if not out["change"]:
-            out["recommended"] = current
+                     "running": s.running, "left_out": left_out.get(s.label)})  # fmt: skip
+    cur = next(r for r in rows if r["setting"] == current)
+    best = max((r for r in rows if r["left_out"] is None), key=lambda r: r["tokens_per_s"])
+    gain = best["tokens_per_s"] / cur["tokens_per_s"] - 1
+    if best is cur:
+        se, how = 0.0, "none"
+    elif cur["running"] and best["paired_se"] is not None:
+        # Both measured on the same rounds: the ratio's noise is the difference's, relative to the
+        # best's tokens per round (first order), much less than the two errors combined.
+        se, how = (1 + gain) * best["paired_se"] / best["tokens_per_round"], "paired"
     else:
-        out["gain"] = out["gain_se"] = out["gain_se_method"] = None
-        out["change"] = current is None or current != best["setting"]
-    return out
-
-
-class TooFewRounds(ValueError):
-    """Not enough scored rounds to recommend anything."""
+        rel_b = best["tokens_per_s_se"] / best["tokens_per_s"]
+        rel_c = cur["tokens_per_s_se"] / cur["tokens_per_s"]
+        se, how = (1 + gain) * math.hypot(rel_b, rel_c), "independent"
+    # Act only on a gain two standard errors clear of zero; otherwise keep what runs.
+    change = best is not cur and gain - 2 * se > 0
+    return {"gpu": gpu, "tp": tp, "concurrency": concurrency, "rounds": rounds, "current": current,
+            "recommended": best["setting"] if change else current, "best_runnable": best["setting"],
+            "table": rows, "gain": gain, "gain_se": se, "gain_se_method": how, "change": change}  # fmt: skip
 
 
 def flag_overrides(setting: str, *, horizon: int = 15) -> dict[str, int | None]:
     """The profile flags a setting needs (profiles.yml spelling): the chain is DDTREE's top-k cap 1 at
     budget = the drafter's horizon (DFlash's own decode under the plugin); a tree is its budget, no cap."""
-    if setting == CHAIN:
-        return {"speculative-ddtree-budget": horizon, "speculative-ddtree-topk-cap": 1}
-    return {"speculative-ddtree-budget": _budget(setting), "speculative-ddtree-topk-cap": None}
+    return settings_for_label(setting, horizon + 1).flags()

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
+from ddtree_runtime.core.decoder_settings import VALIDATED_MAX_BUDGET, DecoderSettings, SettingsError
 from ddtree_runtime.sglang_plugin import warmup
 from ddtree_runtime.sglang_plugin.cli_args import ddtree_args_of
 from ddtree_runtime.sglang_plugin.names import ALGORITHM
@@ -28,10 +30,24 @@ from ddtree_runtime.sglang_plugin.refusals.resolution import DDTreeConfigError, 
 logger = logging.getLogger(__name__)
 
 RESOLUTION_SOURCE = "ddtree_plugin"
-# The largest budget the H200 suite has shown token-identical to the plain server with CUDA graphs on
-# (tests/gpu/test_real_server_gpu.py); at 64 one lab prompt differed (docs/bench/gpu-lab-server.md).
-VALIDATED_MAX_BUDGET = 32
+# SGLang 0.5.23's ServerArgs takes no new fields (its namespaces are fixed at import), so the resolved
+# settings ride on the record as a bookkeeping attribute, pickled with it to every scheduler process.
 RESOLVED_ATTR = "_ddtree_resolved"
+
+
+@dataclass(frozen=True)
+class PluginSettings:
+    """What the plugin resolved at start-up and its worker runs with: the decoder's settings (the one
+    home of budget, block and top-K cap, ``core/decoder_settings.py``) and the plugin's own facts."""
+
+    decoder: DecoderSettings
+    allow_hybrid: bool = False
+    hybrid_kind: str | None = None  # SGLang's recurrent-state kind of the target; None: pure attention
+    contract: dict[str, Any] | None = None  # the hidden-state contract from the files, when local
+    algorithm: str = ALGORITHM
+
+    def with_contract(self, contract: dict[str, Any] | None) -> PluginSettings:
+        return replace(self, contract=contract)
 
 
 class DDTreeSpecAlgo(CustomSpecAlgo):
@@ -102,10 +118,10 @@ class DDTreeSpecAlgo(CustomSpecAlgo):
         settings = published_settings()
         if settings is None:
             return num_draft_tokens
-        return settings["block_size"] if is_draft_worker else settings["budget"] + 1
+        return settings.decoder.block_size if is_draft_worker else settings.decoder.verify_rows
 
 
-def published_settings() -> dict[str, Any] | None:
+def published_settings() -> PluginSettings | None:
     """DDTREE's resolved sizes from this process's published ServerArgs (None before publish)."""
     from sglang.srt.runtime_context import get_server_args
 
@@ -126,10 +142,10 @@ def _record_of(server_args: Any) -> Any:
     return server_args
 
 
-def is_chain(settings: dict[str, Any]) -> bool:
-    """The chain case (top-k cap 1, budget = block - 1): exactly DFlash's argmax chain, decoded by
-    DFlash's own code."""
-    return settings["topk_cap"] == 1 and settings["budget"] == settings["block_size"] - 1
+def is_chain(settings: PluginSettings) -> bool:
+    """The chain case (``DecoderSettings.is_chain``): exactly DFlash's argmax chain, decoded by DFlash's
+    own code."""
+    return settings.decoder.is_chain
 
 
 def _hybrid_kind(record: Any) -> tuple[str | None, str]:
@@ -177,16 +193,19 @@ def resolve_server_args(server_args: Any) -> None:
     block = int(cfg.speculative_num_draft_tokens)
     if block < 2:
         raise DDTreeConfigError(f"DDTREE needs a drafter block of at least 2 (got {block}).")
-    budget = args.budget if args.budget is not None else block - 1
-    chain = is_chain({"topk_cap": args.topk_cap, "budget": budget, "block_size": block})
+    try:
+        decoder = DecoderSettings.resolve(args.budget, block, args.topk_cap)
+    except SettingsError as exc:
+        raise DDTreeConfigError(f"DDTREE: {exc}") from None
     kind, config_class = _hybrid_kind(record)
     check_hybrid(
-        str(cfg.model_path), kind, config_class, allow_hybrid=args.allow_hybrid, chain=chain, block=block
+        str(cfg.model_path), kind, config_class, allow_hybrid=args.allow_hybrid, chain=decoder.is_chain,
+        block=block,
     )
     contract = _check_contract(str(cfg.model_path), str(cfg.speculative_draft_model_path))
     sizes = {
-        "speculative_dflash_block_size": block,
-        "speculative_num_draft_tokens": max(budget + 1, block),
+        "speculative_dflash_block_size": decoder.block_size,
+        "speculative_num_draft_tokens": decoder.kv_window,
     }
     # Trees keep SGLang's overlap scheduler, as DFLASH does: the tree round reads nothing back to the
     # host (tree_round; tests/sglang/test_tree_round_sync.py, the GPU suite's sync watch), and the
@@ -194,32 +213,25 @@ def resolve_server_args(server_args: Any) -> None:
     # SGLang's resolution turns it off (pp > 1, --disable-overlap-schedule); SGLang's CPU turn-off is
     # for its EAGLE and NGRAM families only, so the CPU lab runs trees overlapped, as the chain.
     declared: dict[str, Any] = dict(sizes)
-    if not chain and warmup.wanted(cfg.device, cfg.disable_cuda_graph):
+    if not decoder.is_chain and warmup.wanted(cfg.device, cfg.disable_cuda_graph):
         # Tree rounds at every captured batch size before the server says ready (warmup.py).
         declared["warmups"] = warmup.with_warmup(cfg.warmups)
     declare_resolution(record, RESOLUTION_SOURCE, **declared)
-    resolved = {
-        "algorithm": ALGORITHM,
-        "budget": budget,
-        "topk_cap": args.topk_cap,
-        "block_size": block,
-        "allow_hybrid": args.allow_hybrid,
-        "hybrid_kind": kind,
-        "contract": contract,
-    }
-    # Bookkeeping attribute: pickled to every scheduler process with the record.
+    resolved = PluginSettings(decoder, allow_hybrid=args.allow_hybrid, hybrid_kind=kind, contract=contract)
     setattr(record, RESOLVED_ATTR, resolved)
     logger.info(
         "DDTREE: budget %d (verify width %d), drafter block %d, top-k cap %s",
-        budget, budget + 1, block, args.topk_cap,
+        decoder.budget, decoder.verify_rows, decoder.block_size, decoder.topk_cap,
     )
-    if budget > VALIDATED_MAX_BUDGET and not chain:
+    if not decoder.validated:
         logger.warning(
             "DDTREE budget %d is above %d, the largest shown lossless on the H200 with CUDA graphs on "
             "(docs/bench/gpu-lab-server.md: budget 64 differed from plain decoding on one lab prompt); "
-            "run `ddtree probe live` on this server before it takes traffic.", budget, VALIDATED_MAX_BUDGET,
+            "run `ddtree probe live` on this server before it takes traffic.",
+            decoder.budget, VALIDATED_MAX_BUDGET,
         )
 
 
-def resolved_settings(record: Any) -> dict[str, Any] | None:
+def resolved_settings(record: Any) -> PluginSettings | None:
+    """The settings :func:`resolve_server_args` left on a ServerArgs record (None before resolution)."""
     return getattr(record, RESOLVED_ATTR, None) if record is not None else None

@@ -5,8 +5,9 @@ declare new fields. The flags are therefore added to the parser SGLang builds
 (``ServerArgs.add_cli_args``, hooked) and read back from the parsed namespace
 (``ServerArgs.from_cli_args``, hooked) onto a bookkeeping attribute of the record. Bookkeeping
 attributes travel with the record when SGLang pickles it to its scheduler processes.
-Resolution (``algorithm.resolve_server_args``) turns them into SGLang's own fields:
-``speculative_num_draft_tokens`` = budget + 1 (verify width) and
+Resolution (``algorithm.resolve_server_args``) turns them, with the drafter's block, into the decoder's
+settings (``core/decoder_settings.DecoderSettings.resolve``: the default budget, the limits) and SGLang's
+own fields: ``speculative_num_draft_tokens`` = the KV window max(budget + 1, block) and
 ``speculative_dflash_block_size`` = the drafter's block.
 """
 
@@ -16,16 +17,16 @@ import argparse
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ddtree_runtime.core.decoder_settings import MAX_BUDGET
+
 RECORD_ATTR = "_ddtree_cli"
-# Verify width = budget + 1 is a per-request token count in every target forward; SGLang's
-# tree kernels and CUDA-graph buffers are sized by it. Beyond this the verify pass is
-# certainly slower than it gains (ddtree-algorithm.md section 4: best budgets are 4..256).
-MAX_BUDGET = 1023
 
 
 @dataclass(frozen=True)
 class DDTreeArgs:
-    budget: int | None = None  # None: one node per draft position (L = block_size - 1)
+    """The DDTREE flags as parsed: what the operator asked for, before the drafter's block is known."""
+
+    budget: int | None = None  # None: decoder_settings.default_budget (block - 1)
     topk_cap: int | None = None
     allow_hybrid: bool = False
 
@@ -60,7 +61,7 @@ def add_ddtree_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive_int("--speculative-ddtree-budget", MAX_BUDGET),
         default=None,
         help="DDTREE only. Tree nodes per request and round (not counting the root); the target "
-        "verifies budget + 1 tokens, independent of the drafter's block size. "
+        f"verifies budget + 1 tokens, independent of the drafter's block size. At most {MAX_BUDGET}. "
         "Default: block_size - 1.",
     )
     group.add_argument(

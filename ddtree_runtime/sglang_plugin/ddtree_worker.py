@@ -64,7 +64,7 @@ class DDTreeWorker(DFlashWorkerV2):
         contract = startup_contract(str(cfg.model_path), str(cfg.speculative_draft_model_path))
         check_tree_decode_support(settings, cfg)
         self._ddtree_contract = contract
-        base = static_handshake({**settings, "contract": contract.to_dict() if contract else None})
+        base = static_handshake(settings.with_contract(contract.to_dict() if contract else None))
         self._ddtree_handshake = HandshakeState(base)
         self._ddtree_metrics = HandshakeMetrics() if cfg.enable_metrics else None
         if contract is not None:
@@ -101,7 +101,7 @@ class DDTreeWorker(DFlashWorkerV2):
             make_draft_block_spec_info,
         )
 
-        self.block_size = int(self.ddtree_settings["block_size"])
+        self.block_size = self.ddtree_settings.decoder.block_size
         self.draft_model.set_block_size(self.block_size)
         self._block_pos_offsets = build_block_pos_offsets(length=self.block_size, device=self.device)
         self._draft_block_spec_info = make_draft_block_spec_info(
@@ -208,15 +208,11 @@ class DDTreeWorker(DFlashWorkerV2):
     def _round_config(self) -> Any:
         from ddtree_runtime.sglang_plugin.round.tree_round import RoundConfig
 
-        settings = self.ddtree_settings
         runner = self.target_worker.model_runner
-        return RoundConfig(
-            budget=int(settings["budget"]),
-            block_size=int(self.block_size),
+        return RoundConfig.from_settings(
+            self.ddtree_settings.decoder,
             mask_token_id=int(self._mask_token_id),
             page_size=int(runner.token_to_kv_pool_allocator.page_size),
-            topk_cap=settings["topk_cap"],
-            window=int(self.speculative_num_draft_tokens),  # the reservation the round writes
         )
 
     def _round_models(self, batch: Any) -> Any:

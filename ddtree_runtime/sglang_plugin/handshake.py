@@ -14,7 +14,10 @@ than expected reached the drafter) or ``missing`` (the target returned no hidden
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ddtree_runtime.sglang_plugin.algorithm import PluginSettings
 
 METRIC_NAMES = (
     "sglang:ddtree_expected_hidden_width",
@@ -23,32 +26,26 @@ METRIC_NAMES = (
 )
 
 
-def static_handshake(settings: dict[str, Any]) -> dict[str, Any]:
+def static_handshake(settings: PluginSettings) -> dict[str, Any]:
     """The handshake as known from the launch (files and flags), before any forward."""
-    contract = settings.get("contract") or {}
+    contract = settings.contract or {}
     layer_ids = contract.get("target_layer_ids")
     hidden = contract.get("target_hidden_size")
     expected = len(layer_ids) * hidden if layer_ids and hidden else None
     return {
-        "algorithm": settings.get("algorithm", "DDTREE"),
-        "budget": settings.get("budget"),
-        "topk_cap": settings.get("topk_cap"),
-        "block_size": settings.get("block_size"),
+        "algorithm": settings.algorithm,
+        "budget": settings.decoder.budget,
+        "topk_cap": settings.decoder.topk_cap,
+        "block_size": settings.decoder.block_size,
         "target_hidden_size": hidden,
         "target_layer_ids": list(layer_ids) if layer_ids else None,
         "expected_hidden_width": expected,
         "draft_fc_in_features": contract.get("fc_in_features"),
-        "target_hybrid": _target_hybrid(settings, contract),
+        # SGLang's own classification from resolution (hybrid_kind; None: pure attention).
+        "target_hybrid": settings.hybrid_kind is not None,
         "observed_hidden_width": None,
         "status": "pending",
     }
-
-
-def _target_hybrid(settings: dict[str, Any], contract: dict[str, Any]) -> bool | None:
-    """SGLang's own classification when resolution ran (``hybrid_kind``), else the config files'."""
-    if "hybrid_kind" in settings:
-        return settings["hybrid_kind"] is not None
-    return contract.get("hybrid")
 
 
 @dataclass

@@ -33,9 +33,9 @@ def add_to_server_info(result: dict[str, Any], server_args: Any, *args: Any, **k
     if settings is None:
         return result
     result["ddtree_runtime_version"] = __version__  # which build serves (the canary compares it)
-    result["speculative_ddtree_budget"] = settings["budget"]
-    result["speculative_ddtree_topk_cap"] = settings["topk_cap"]
-    result["speculative_ddtree_allow_hybrid"] = settings["allow_hybrid"]
+    result["speculative_ddtree_budget"] = settings.decoder.budget
+    result["speculative_ddtree_topk_cap"] = settings.decoder.topk_cap
+    result["speculative_ddtree_allow_hybrid"] = settings.allow_hybrid
     # What the scheduler decides its loop by (Scheduler.enable_overlap): on for trees and the chain,
     # off wherever SGLang's own resolution turns it off (pp > 1, --disable-overlap-schedule).
     result["ddtree_overlap_schedule"] = not bool(result.get("disable_overlap_schedule", False))

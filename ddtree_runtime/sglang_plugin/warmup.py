@@ -27,11 +27,14 @@ FALLBACK_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16)
 
 
 def warmup_sizes(capture_bs: Any, max_running: int | None) -> list[int]:
-    """The batch sizes to warm: SGLang's decode capture sizes up to the running-request limit."""
-    sizes = [int(b) for b in (capture_bs or FALLBACK_SIZES)]
+    """The batch sizes to warm: SGLang's decode capture sizes up to the running-request limit, and
+    for each one a batch one smaller, which pads into it (a padded replay launches its own kernel
+    variants: on the H100 a batch of 15 in the bucket of 16 compiled SGLang's state-index kernel)."""
+    captured = [int(b) for b in (capture_bs or FALLBACK_SIZES)]
     if max_running:
-        sizes = [b for b in sizes if b <= int(max_running)] or [int(max_running)]
-    return sorted(set(sizes))
+        captured = [b for b in captured if b <= int(max_running)] or [int(max_running)]
+    padded = [b - 1 for b in captured if b > 1]
+    return sorted(set(captured) | set(padded))
 
 
 def wanted(device: Any, disable_cuda_graph: Any) -> bool:

@@ -40,6 +40,7 @@ from ddtree_runtime.tiny_engine import faults as lab_faults
 from ddtree_runtime.tiny_engine.faults import ENGINE_FAULTS as FAULTS
 from ddtree_runtime.tiny_engine.kv_cache import KVCache
 from ddtree_runtime.tiny_engine.models import load_draft, load_target
+from ddtree_runtime.tiny_engine.server_args import LAB_DEFAULT_BUDGET
 from ddtree_runtime.tiny_engine.tokenizer import TinyTokenizer
 
 ALGORITHMS = ("NONE", "DFLASH", "DDTREE")
@@ -114,7 +115,7 @@ class TinyDecoder:
         draft_dir: str | Path | None = None,
         *,
         algorithm: str = "NONE",
-        budget: int = 16,
+        budget: int = LAB_DEFAULT_BUDGET,
         topk_cap: int | None = None,
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,

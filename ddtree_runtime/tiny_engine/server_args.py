@@ -19,9 +19,15 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from ddtree_runtime.core.decoder_settings import DecoderSettings, SettingsError
+
 DEFAULT_DEVICE_MEMORY_MB = 128
 DEFAULT_MEM_FRACTION = 0.85  # SGLang picks one from the GPU size when unset
 DEFAULT_MAX_RUNNING_DFLASH = 48  # SGLang's DFLASH default when --max-running-requests is unset
+# The lab engine's budget when --speculative-ddtree-budget is not given: a fixed 16 whatever the drafter's
+# block (the lab's tests and figures are written for it). The SGLang plugin's default is the block - 1 of
+# core/decoder_settings.default_budget; every other rule and limit is DecoderSettings' own.
+LAB_DEFAULT_BUDGET = 16
 DEFAULT_COUNTERFACTUAL_BUDGETS = "8,16,32,64,chain"
 DEFAULT_COUNTERFACTUAL_FRACTION = 0.05  # one greedy round in 20: ~400 rounds scored per 8k rounds served
 
@@ -106,10 +112,15 @@ def resolve(args: argparse.Namespace, *, target_config: dict, draft_block_size: 
     if args.tp_size != 1:
         raise ServerArgsError(f"the lab engine runs on one device; --tp-size {args.tp_size} is not supported")
     block = args.speculative_dflash_block_size or draft_block_size or 16
-    budget = args.speculative_ddtree_budget if args.speculative_ddtree_budget is not None else 16
-    if algo == "DDTREE" and budget < 1:
-        raise ServerArgsError(f"--speculative-ddtree-budget must be >= 1, got {budget}")
-    num_draft = {"DDTREE": budget + 1, "DFLASH": block, "NONE": None}[algo]
+    budget = args.speculative_ddtree_budget
+    budget = LAB_DEFAULT_BUDGET if budget is None else budget
+    num_draft = {"DFLASH": block, "NONE": None}.get(algo)
+    if algo == "DDTREE":
+        try:
+            decoder = DecoderSettings.resolve(budget, block, args.speculative_ddtree_topk_cap)
+        except SettingsError as exc:
+            raise ServerArgsError(str(exc)) from None
+        num_draft = decoder.verify_rows  # the lab engine reports the verify rows here (SGLang: its KV window)
     fraction = args.speculative_ddtree_counterfactual_fraction
     if not 0.0 <= fraction <= 1.0:  # NaN fails this too
         raise ServerArgsError(

@@ -4,6 +4,8 @@ instead; ``--speculative-ddtree-allow-hybrid`` starts only the chain case on the
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tests.sglang.conftest import ddtree_argv, resolve
@@ -32,9 +34,9 @@ def test_gdn_hybrid_starts_a_tree_without_the_override(sglang_plugins, tmp_path)
     target, draft = write_pair(tmp_path, "qwen3.6-27b")
     record, cfg = resolve(ddtree_argv(target, draft, *CPU, "--speculative-ddtree-budget", "63"))
     resolved = record._ddtree_resolved
-    assert resolved["hybrid_kind"] == "gdn" and resolved["allow_hybrid"] is False
-    assert resolved["budget"] == 63 and resolved["topk_cap"] is None
-    assert resolved["contract"]["fc_in_features"] == 25600
+    assert resolved.hybrid_kind == "gdn" and resolved.allow_hybrid is False
+    assert resolved.decoder.budget == 63 and resolved.decoder.topk_cap is None
+    assert resolved.contract["fc_in_features"] == 25600
     assert cfg.speculative_num_draft_tokens == 64  # the scratch rows SGLang reserves per request
 
 
@@ -44,9 +46,9 @@ def test_override_changes_nothing_on_a_gdn_hybrid(sglang_plugins, tmp_path):
     target, draft = write_pair(tmp_path, "qwen3.6-27b")
     plain, _ = resolve(ddtree_argv(target, draft, *CPU))
     flagged, _ = resolve(ddtree_argv(target, draft, *CPU, "--speculative-ddtree-allow-hybrid"))
-    a, b = dict(plain._ddtree_resolved), dict(flagged._ddtree_resolved)
-    assert a.pop("allow_hybrid") is False and b.pop("allow_hybrid") is True
-    assert a == b
+    a, b = plain._ddtree_resolved, flagged._ddtree_resolved
+    assert a.allow_hybrid is False and b.allow_hybrid is True
+    assert replace(a, allow_hybrid=True) == b
 
 
 def test_mamba2_hybrid_is_refused_naming_what_starts_instead(sglang_plugins, tmp_path):
@@ -70,8 +72,8 @@ def test_override_starts_only_the_chain_case_on_an_unaudited_kind(sglang_plugins
         resolve(ddtree_argv(target, draft, *CPU, "--speculative-ddtree-allow-hybrid"))
     chain = ("--speculative-ddtree-allow-hybrid", "--speculative-ddtree-topk-cap", "1")
     record, _ = resolve(ddtree_argv(target, draft, *CPU, *chain))
-    assert record._ddtree_resolved["hybrid_kind"] == "mamba2"
-    assert record._ddtree_resolved["budget"] == 15  # block - 1: DFlash's chain, DFlash's commit
+    assert record._ddtree_resolved.hybrid_kind == "mamba2"
+    assert record._ddtree_resolved.decoder.budget == 15  # block - 1: DFlash's chain, DFlash's commit
 
 
 @pytest.mark.parametrize(
@@ -114,4 +116,3 @@ def test_the_handshake_reports_the_target_hybrid(sglang_plugins, tmp_path):
     dense, _ = resolve(ddtree_argv(*write_pair(tmp_path / "b", "qwen3-8b"), *CPU))
     assert static_handshake(hybrid._ddtree_resolved)["target_hybrid"] is True
     assert static_handshake(dense._ddtree_resolved)["target_hybrid"] is False
-    assert static_handshake({"contract": {"hybrid": True}})["target_hybrid"] is True  # files only

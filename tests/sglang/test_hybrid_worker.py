@@ -45,8 +45,11 @@ def publish_ddtree(sglang_plugins, tmp_path):
     reset_context()
 
 
-def _settings(**kw):
-    return {"algorithm": "DDTREE", "budget": BUDGET, "topk_cap": None, "block_size": BLOCK, **kw}
+def _settings(budget: int = BUDGET, topk_cap: int | None = None):
+    from ddtree_runtime.core.decoder_settings import DecoderSettings
+    from ddtree_runtime.sglang_plugin.algorithm import PluginSettings
+
+    return PluginSettings(DecoderSettings(budget, BLOCK, topk_cap))
 
 
 def _gdn_model_config():

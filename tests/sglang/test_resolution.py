@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from ddtree_runtime.core.decoder_settings import DecoderSettings
 from tests.sglang.conftest import ddtree_argv, resolve
 
 pytestmark = pytest.mark.sglang
@@ -38,20 +39,20 @@ def test_full_command_line_resolves_with_dflash_defaults_and_ddtree_sizes(sglang
     assert cfg.attention_backend == "triton"
     assert cfg.mem_fraction_static == 0.8 and cfg.context_length == 4096
     settings = record._ddtree_resolved
-    assert settings["budget"] == 24 and settings["topk_cap"] == 4 and settings["block_size"] == 16
-    assert settings["contract"]["target_layer_ids"] == [1, 9, 17, 25, 33]
-    assert settings["contract"]["fc_in_features"] == 20480
+    assert settings.decoder == DecoderSettings(budget=24, block_size=16, topk_cap=4)
+    assert settings.contract["target_layer_ids"] == [1, 9, 17, 25, 33]
+    assert settings.contract["fc_in_features"] == 20480
 
 
 def test_default_budget_is_one_node_per_draft_position(sglang_plugins, pair):
     record, cfg = resolve(ddtree_argv(*pair))
-    assert record._ddtree_resolved["budget"] == 15
+    assert record._ddtree_resolved.decoder.budget == 15
     assert cfg.speculative_num_draft_tokens == 16
 
 
 def test_small_budget_keeps_the_drafter_block_as_kv_reservation(sglang_plugins, pair):
     record, cfg = resolve(ddtree_argv(*pair, "--speculative-ddtree-budget", "4"))
-    assert record._ddtree_resolved["budget"] == 4
+    assert record._ddtree_resolved.decoder.budget == 4
     # the draft block and the verify write the same reserved window: reserve max(block, budget+1)
     assert cfg.speculative_num_draft_tokens == 16
     assert cfg.speculative_dflash_block_size == 16
@@ -65,7 +66,7 @@ def test_explicit_max_running_requests_is_kept(sglang_plugins, pair):
 def test_dflash_block_size_flag_overrides_the_draft_config(sglang_plugins, pair):
     record, cfg = resolve(ddtree_argv(*pair, "--speculative-dflash-block-size", "8"))
     assert cfg.speculative_dflash_block_size == 8
-    assert record._ddtree_resolved["budget"] == 7
+    assert record._ddtree_resolved.decoder.budget == 7
 
 
 def test_dflash_resolution_is_unchanged_by_the_plugin(sglang_plugins, pair):
@@ -188,3 +189,21 @@ def test_tree_servers_on_cuda_warm_every_batch_size_before_they_say_ready(sglang
         )
     )
     assert "ddtree_batches" not in (chain.warmups or "")
+
+
+def test_the_worker_receives_the_typed_settings_and_builds_its_round_from_them(sglang_plugins, pair):
+    """The record carries one ``PluginSettings`` (pickled to the schedulers with it); the round's
+    configuration is built from its decoder settings, with the window SGLang reserves."""
+    import pickle
+
+    from ddtree_runtime.sglang_plugin.algorithm import PluginSettings
+    from ddtree_runtime.sglang_plugin.round.tree_round import RoundConfig
+
+    record, cfg = resolve(ddtree_argv(*pair, "--speculative-ddtree-budget", "4"))
+    settings = record._ddtree_resolved
+    assert isinstance(settings, PluginSettings)
+    assert pickle.loads(pickle.dumps(record))._ddtree_resolved == settings
+    round_cfg = RoundConfig.from_settings(settings.decoder, mask_token_id=11, page_size=16)
+    assert (round_cfg.budget, round_cfg.block_size, round_cfg.topk_cap) == (4, 16, None)
+    assert round_cfg.verify_rows == 5 and round_cfg.write_window == cfg.speculative_num_draft_tokens == 16
+    assert (round_cfg.mask_token_id, round_cfg.page_size) == (11, 16)

@@ -45,7 +45,10 @@ def test_server_info_carries_flags_and_the_launch_handshake(sglang_plugins, pair
 def test_server_info_says_whether_the_scheduler_runs_overlapped(sglang_plugins, pair):
     from sglang.srt.utils import common
 
-    from ddtree_runtime.health.probe_server_info import overlap_schedule
+    from ddtree_runtime.health.sglang_client import read_server_info
+
+    def overlap_schedule(info: dict) -> bool | None:
+        return read_server_info(info).overlap_schedule
 
     record, _ = resolve(ddtree_argv(*pair, "--disable-overlap-schedule"))
     info = common.build_server_info(record, {})

@@ -114,6 +114,8 @@ def _tp_decode(group) -> dict:
     from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
     from sglang.srt.speculative.draft_worker_common import make_draft_block_spec_info
 
+    from ddtree_runtime.core.decoder_settings import DecoderSettings
+    from ddtree_runtime.sglang_plugin.algorithm import PluginSettings
     from ddtree_runtime.sglang_plugin.ddtree_worker import DDTreeWorker
     from ddtree_runtime.sglang_plugin.handshake import HandshakeState, static_handshake
     from ddtree_runtime.sglang_plugin.round.sglang_models import SGLangRoundModels
@@ -152,7 +154,7 @@ def _tp_decode(group) -> dict:
         seen.append((logits.view(bs, BLOCK, -1)[:, 1:].clone(), None))
         return SimpleNamespace(logits_output=SimpleNamespace(hidden_states=logits))
 
-    settings = {"algorithm": "DDTREE", "budget": BUDGET, "topk_cap": None, "block_size": BLOCK}
+    settings = PluginSettings(DecoderSettings(BUDGET, BLOCK))
     worker = object.__new__(DDTreeWorker)
     worker.ddtree_settings = settings
     worker.block_size = BLOCK

@@ -6,6 +6,7 @@ tests/sglang/_tree_decode_toy.py); the batch is a plain namespace with ScheduleB
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.sglang
 BUDGET, BLOCK = 7, 4
 
 
-def _worker(page_size: int, settings: dict, prompts: list[list[int]], noise: float = 1.5):
+def _worker(page_size: int, settings: Any, prompts: list[list[int]], noise: float = 1.5):
     from ddtree_runtime.sglang_plugin.ddtree_worker import DDTreeWorker
     from ddtree_runtime.sglang_plugin.handshake import HandshakeState, static_handshake
 
@@ -42,8 +43,8 @@ def _worker(page_size: int, settings: dict, prompts: list[list[int]], noise: flo
 
     worker = object.__new__(DDTreeWorker)  # no GPU: the runners are the pools, the model is the toy
     worker.ddtree_settings = settings
-    worker.block_size = settings["block_size"]
-    worker.speculative_num_draft_tokens = max(settings["budget"] + 1, settings["block_size"])
+    worker.block_size = settings.decoder.block_size
+    worker.speculative_num_draft_tokens = settings.decoder.kv_window
     worker._mask_token_id = 11
     worker._target_worker = SimpleNamespace(
         model_runner=SimpleNamespace(
@@ -80,8 +81,11 @@ def _batch(rows, seq_lens, bonus, eos=()):
     )
 
 
-def _settings(**kw):
-    return {"algorithm": "DDTREE", "budget": BUDGET, "topk_cap": None, "block_size": BLOCK, **kw}
+def _settings(budget: int = BUDGET, topk_cap: int | None = None):
+    from ddtree_runtime.core.decoder_settings import DecoderSettings
+    from ddtree_runtime.sglang_plugin.algorithm import PluginSettings
+
+    return PluginSettings(DecoderSettings(budget, BLOCK, topk_cap))
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from ddtree_runtime.core.decoder_settings import DecoderSettings
 from tests.sglang.conftest import ddtree_argv, resolve
 
 pytestmark = pytest.mark.sglang
@@ -68,11 +70,13 @@ class _TargetWorker:
 
 def _guarded(pair, hidden):
     from ddtree_runtime.core.contract import load_contract
+    from ddtree_runtime.sglang_plugin.algorithm import PluginSettings
     from ddtree_runtime.sglang_plugin.handshake import HandshakeState, static_handshake
     from ddtree_runtime.sglang_plugin.hidden_guard import guard_target_forward
 
     contract = load_contract(*pair)
-    state = HandshakeState(static_handshake({"budget": 15, "block_size": 16, "contract": contract.to_dict()}))
+    settings = PluginSettings(DecoderSettings(15, 16), contract=contract.to_dict())
+    state = HandshakeState(static_handshake(settings))
     seen = []
     target = _TargetWorker(hidden)
     forward = guard_target_forward(target.forward_batch_generation, contract, state, seen.append)
@@ -171,5 +175,5 @@ def test_worker_features_a_tree_cannot_use_are_refused(sglang_plugins, pair):
     with pytest.raises(TreeDecodeNotAvailable, match="selector draft head"):
         check_tree_worker_features(settings, SimpleNamespace(selector=object()))
     check_tree_worker_features(settings, SimpleNamespace(_need_mamba_verify_commit=False, selector=None))
-    chain = {**settings, "topk_cap": 1, "budget": settings["block_size"] - 1}
+    chain = replace(settings, decoder=DecoderSettings.chain(settings.decoder.block_size))
     check_tree_worker_features(chain, SimpleNamespace(_need_mamba_verify_commit=True))  # DFlash's decode

@@ -69,3 +69,19 @@ def greedy(engines: dict, request: pytest.FixtureRequest) -> dict[str, tuple[lis
         v, a = engine.stats.verify_ct - v0, engine.stats.accepted_sum - a0
         out[name] = ([r.output_ids for r in res], a / v if v else 1.0)
     return out
+
+
+@pytest.fixture(scope="session")
+def qwen36_models_json(tmp_path_factory: pytest.TempPathFactory):
+    """Qwen3.6-27B-shaped model files (headers only), described as the deploy describes them on a host
+    (`model_files.py describe`): what `ddtree plan --models-json` and `ddtree tune --models-json` read."""
+    import json
+
+    from ddtree_runtime.core.model_files import describe_model_files
+    from tests.fixtures_models import write_full_checkpoint_pair
+
+    target, draft = write_full_checkpoint_pair(tmp_path_factory.mktemp("qwen36"), "qwen3.6-27b")
+    path = tmp_path_factory.mktemp("describe") / "models.json"
+    path.write_text(json.dumps({"target": describe_model_files(target, "target"),
+                                "draft": describe_model_files(draft, "draft")}))  # fmt: skip
+    return path

@@ -18,8 +18,8 @@ def _load(path: str) -> dict:
 
 
 def test_layout_and_an_entry_point_per_task_file():
-    for part in ("defaults/main.yml", "tasks/main.yml", "handlers/main.yml", "meta/main.yml",
-                 "meta/argument_specs.yml", "vars/main.yml"):
+    for part in ("defaults/main.yml", "tasks/main.yml", "meta/main.yml", "meta/argument_specs.yml",
+                 "vars/main.yml"):
         assert (ROLE / part).is_file(), part
     specs = _load("meta/argument_specs.yml")["argument_specs"]
     assert set(specs) == ENTRY_POINTS
@@ -67,10 +67,10 @@ def test_canary_play_is_host_by_host_and_stops_everything_on_a_failure():
     # Each host goes through the one rollout and its rescue (roles/sglang_rollout), as a canary.
     (include,) = rollout["tasks"]
     assert include["ansible.builtin.include_role"] == {"name": "sglang_rollout"}
-    assert include["vars"]["sglang_rollout_play"] == "canary"
-    block = yaml.safe_load((REPO / "roles/sglang_rollout/tasks/main.yml").read_text())[0]
-    assert "block" in block and "rescue" in block
+    given = include["vars"]
+    assert given["sglang_rollout_shadow"] is True and given["sglang_rollout_record"] == ["canary"]
+    rescue = yaml.safe_load((REPO / "roles/sglang_rollout/tasks/rescue.yml").read_text())
     # An abort takes the shadow out of the routers before anything else (after noting what failed).
-    first, second = block["rescue"][:2]
+    first, second = rescue[:2]
     assert "set_fact" in str(first) and second["block"][0]["ansible.builtin.include_role"] == {
         "name": "sglang_rotation", "tasks_from": "remove_shadow"}

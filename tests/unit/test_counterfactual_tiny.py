@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from ddtree_runtime.core.counterfactual import Candidate, parse_candidates
+from ddtree_runtime.core.counterfactual_invariants import check_counters, counts_from_snapshot
 from ddtree_runtime.tiny_engine.engine import SamplingParams, TinyEngine
 from ddtree_runtime.tiny_engine.language import LAB_PROMPTS
 
@@ -39,6 +40,8 @@ def test_the_running_setting_scores_exactly_what_it_accepted(models: Path) -> No
     assert cand["accepted"] == e.stats.accepted_sum - e.stats.verify_ct
     assert cand["tokens_per_round"] == pytest.approx(e.stats.accepted_sum / e.stats.verify_ct)
     assert sorted(e._cf_free) == list(range(64))  # every slot came back
+    # The lab engine's counters hold every invariant, the running setting's exact pairing included.
+    check_counters(counts_from_snapshot(snap), horizon=15, running="16")
 
 
 def test_a_chain_server_predicts_what_each_budget_accepts_for_real(models: Path) -> None:
@@ -138,11 +141,11 @@ def test_the_lab_server_exposes_the_counters_on_its_metrics(models: Path) -> Non
     assert real_emitted == snap["real_emitted"] > 0
 
     # The same text is what `ddtree tune` reads: a recommendation with both settings priced.
-    from ddtree_runtime.health import counterfactual as cf
+    from ddtree_runtime.health import counterfactual_counters as cf
     from ddtree_runtime.planner import tune
 
-    counts = cf.parse_metrics(lab.metrics.render().decode())
-    assert counts["rounds_scored"] == snap["rounds_scored"]
+    counts = cf.read_counters(lab.metrics.render().decode(), horizon=15, running="chain")  # every check holds
+    assert counts.rounds_scored == snap["rounds_scored"]
     settings = [
         tune.Setting(e.label, e.tokens_per_round, e.tokens_per_round_se) for e in cf.estimates(counts)
     ]

@@ -171,19 +171,31 @@ def test_routers_come_from_a_second_inventory_source_and_their_state_fills_the_r
 
 
 def test_the_table_shows_each_budgets_estimated_tokens_per_round(tmp_path: Path, monkeypatch, capsys):
+    """The host's stored counters (a simulated chain server's) are checked on the controller as the
+    server's own and estimated there; counters no scorer can emit are shown refused, never estimated."""
+    from ddtree_runtime.health import counterfactual_counters as cf
+    from tests.unit._counterfactual_sim import simulate
+
     root = tmp_path / "ddtree"
     (root / "counterfactual").mkdir(parents=True)
-    budgets = {"16": {"round_weight": 260.0}, "chain": {"round_weight": 400.0}, "8": {"round_weight": 0}}
-    counts = {"rounds_scored": 400, "real_emitted_tokens": 800, "rounds_sampled": 403, "rounds_dropped": 0,
-              "rounds_discarded": 3, "budgets": budgets}  # fmt: skip
-    (root / "counterfactual" / "sglang-qwen.json").write_text(json.dumps({"time": 1.0, "counts": counts}))
-    (root / "counterfactual" / "sglang-qwen-shadow.json").write_text('{"counts": {"budgets": []}}')
+    counts = simulate(3, rounds=20, slots=4, horizon=15, candidates="chain,16", running="chain")
+    stored = {"time": 1.0, "counts": counts, "horizon": 15, "running": "chain"}
+    (root / "counterfactual" / "sglang-qwen.json").write_text(json.dumps(stored))
+    forged = {**stored, "counts": {**counts, "rounds_sampled": 0}}  # more scored than sampled
+    (root / "counterfactual" / "sglang-qwen-shadow.json").write_text(json.dumps(forged))
     monkeypatch.setattr(fleet_remote, "STATE_ROOT", root)
     fleet_remote.main(["sglang-qwen", "sglang-qwen-shadow"])
     facts = json.loads(capsys.readouterr().out)
     live, shadow = fleet_status.rows_from_facts("ct129", facts, ["sglang-qwen", "sglang-qwen-shadow"])
-    want = {"16": round(800 / 260, 3), "chain": 2.0}  # budget 8's weight 0: no figure
-    assert live.counterfactual == {"rounds": 400, "tokens_per_round": want}
-    assert shadow.counterfactual is None  # a broken file: no figures, no crash
-    header, line, _shadow_line = fleet_table.format_table([live, shadow]).splitlines()
-    assert "EST TOK/ROUND" in header and "chain:2.00 16:3.08 (400 rounds)" in line
+    est = {e.label: round(e.tokens_per_round, 3) for e in cf.estimates(cf.check_counters(counts, horizon=15))}
+    assert live.counterfactual == {"rounds": counts["rounds_scored"], "tokens_per_round": est}
+    assert est["chain"] == round(counts["real_emitted_tokens"] / counts["rounds_scored"], 3)  # it runs it
+    assert "rounds_sampled_total = 0" in shadow.counterfactual["refused"]
+    header, line, shadow_line = fleet_table.format_table([live, shadow]).splitlines()
+    assert "EST TOK/ROUND" in header and f"chain:{est['chain']:.2f} 16:{est['16']:.2f}" in line
+    assert "refused: sglang:ddtree_counterfactual_rounds_sampled_total = 0" in shadow_line
+    (root / "counterfactual" / "sglang-qwen-shadow.json").write_text('{"counts": {"budgets": []}}')
+    fleet_remote.main(["sglang-qwen-shadow"])
+    answer = json.loads(capsys.readouterr().out)
+    (shadow,) = fleet_status.rows_from_facts("ct129", answer, ["sglang-qwen-shadow"])
+    assert "refused" in shadow.counterfactual  # a broken file: said, no figures, no crash

@@ -129,7 +129,7 @@ def test_malformed_descriptions_are_refused(description, tmp_path, capsys):
 @pytest.mark.parametrize(
     ("args", "said"),
     [
-        (["--", "--speculative-ddtree-budget", "100000000"], "budget must be in 1..4096"),
+        (["--", "--speculative-ddtree-budget", "100000000"], "budget must be in 1..1023"),
         (["--", "--max-running-requests", "2000000"], "max-running-requests must be in 1..65536"),
         (["--tp-size", "1000000000"], "tp-size must be in 1..64"),
         (["--", "--context-length", "-5"], "context-length must be in"),

@@ -7,9 +7,10 @@ from ddtree_runtime.sglang_plugin import warmup
 
 
 def test_it_warms_every_captured_batch_size_the_server_can_run():
-    assert warmup.warmup_sizes([16, 1, 4, 2, 8, 32], 16) == [1, 2, 4, 8, 16]
+    # each captured size, and one smaller that pads into it
+    assert warmup.warmup_sizes([16, 1, 4, 2, 8, 32], 16) == [1, 2, 3, 4, 7, 8, 15, 16]
     assert warmup.warmup_sizes(None, 4) == [1, 2, 3, 4]
-    assert warmup.warmup_sizes([8, 16], 4) == [4]  # nothing captured below the limit: the limit
+    assert warmup.warmup_sizes([8, 16], 4) == [3, 4]  # nothing captured below the limit: the limit
     assert warmup.warmup_sizes([2, 1], None) == [1, 2]
 
 

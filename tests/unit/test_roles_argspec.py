@@ -18,9 +18,15 @@ def load(role: str, path: str) -> dict:
 
 @pytest.mark.parametrize("role", ALL_ROLES)
 def test_role_layout(role):
-    for part in ("defaults/main.yml", "tasks/main.yml", "handlers/main.yml", "meta/main.yml",
-                 "meta/argument_specs.yml"):
+    for part in ("defaults/main.yml", "tasks/main.yml", "meta/main.yml", "meta/argument_specs.yml"):
         assert (REPO / "roles" / role / part).is_file(), f"{role}/{part}"
+
+
+@pytest.mark.parametrize("role", sorted(p.name for p in (REPO / "roles").iterdir() if p.is_dir()))
+def test_a_handlers_file_holds_handlers(role):
+    """A role that restarts nothing through a handler has no handlers/ (ansible-lint asks for none)."""
+    path = REPO / "roles" / role / "handlers" / "main.yml"
+    assert not path.exists() or load(role, "handlers/main.yml"), f"{role}/handlers/main.yml: empty, remove it"
 
 
 @pytest.mark.parametrize("role", ALL_ROLES)
@@ -39,7 +45,9 @@ def test_argspec_covers_every_default(role):
             assert option.get("type"), f"{role}.{name} has no type"
             assert option.get("default") == defaults[name], f"{role}.{name}: argspec default differs"
             if "choices" in option and "{{" not in str(defaults[name]):
-                assert defaults[name] in option["choices"], f"{role}.{name}: default not among choices"
+                # a list's choices hold for each element
+                chosen = defaults[name] if option["type"] == "list" else [defaults[name]]
+                assert set(chosen) <= set(option["choices"]), f"{role}.{name}: default not among choices"
 
 
 def test_profile_choices_match_the_profiles_file():
@@ -52,3 +60,35 @@ def test_profile_choices_match_the_profiles_file():
 def test_role_variables_carry_the_role_prefix(role):
     for name in load(role, "defaults/main.yml"):
         assert name.startswith(role + "_"), name
+
+
+def _includes(node) -> list[tuple[str, str]]:
+    """(role, entry point) of every include_role / import_role below ``node``."""
+    found = []
+    if isinstance(node, dict):
+        for key in ("ansible.builtin.include_role", "ansible.builtin.import_role"):
+            if isinstance(node.get(key), dict):
+                found.append((node[key]["name"], node[key].get("tasks_from", "main")))
+        node = list(node.values())
+    if isinstance(node, list):
+        for value in node:
+            found += _includes(value)
+    return found
+
+
+def _callers() -> list:
+    """The plays and the roles (a test playbook may run a role's inner task file alone)."""
+    plays = [*REPO.glob("*.yml"), *(REPO / "ansible").glob("*.yml")]
+    return sorted({*plays, *(REPO / "roles").rglob("tasks/*.yml")})
+
+
+def test_every_entry_point_called_has_its_argument_spec():
+    called = {(role, entry, path.relative_to(REPO)) for path in _callers()
+              for role, entry in _includes(yaml.safe_load(path.read_text()))}
+    assert len({(r, e) for r, e, _ in called}) > 20  # the walk finds the plays' and the roles' includes
+    for role, entry, where in sorted(called):
+        if "{{" in entry:  # ansible/rotation.yml: -e rotation=join|leave, checked by its play
+            continue
+        specs = load(role, "meta/argument_specs.yml")["argument_specs"]
+        assert entry in specs, f"{where} calls {role} tasks_from {entry}, which has no argument spec"
+        assert (REPO / "roles" / role / "tasks" / f"{entry}.yml").is_file(), (role, entry)

@@ -29,7 +29,7 @@ def run(models: tuple[Path, Path], *extra: str):
     args = ["-e", f"sglang_model_path={target}", "-e", f"sglang_draft_model_path={draft}"]
     for e in extra:
         args += ["-e", e]
-    return playbook(PLAYBOOKS / "plan.yml", *args)
+    return playbook(PLAYBOOKS / "fit.yml", *args)
 
 
 def flat(text: str) -> str:

@@ -1,6 +1,6 @@
-"""One rollout (issue 32): deploy, canary and rollback include roles/sglang_rollout, whose one task file holds
-the sequence and the rescue; the service restarts in its own sequence, not through a flushed handler; the
-roles find the checkout one way and run its code on the controller one way."""
+"""One rollout (issues 32, 42): deploy, canary and rollback include roles/sglang_rollout with what each wants;
+its steps and its rescue are two files in one block; the service restarts in its own sequence, not through a
+flushed handler; the roles find the checkout one way and run its code on the controller one way."""
 
 from __future__ import annotations
 
@@ -9,7 +9,12 @@ import yaml
 
 from tests.unit._ansible import REPO
 
-PLAYS = {"deploy.yml": "deploy", "ansible/canary.yml": "canary", "ansible/rollback.yml": "rollback"}
+# What each play wants of the rollout: install, a shadow stage, what to record.
+PLAYS = {
+    "deploy.yml": (True, False, ["metrics"]),
+    "ansible/canary.yml": (True, True, ["canary"]),
+    "ansible/rollback.yml": (False, False, []),
+}
 
 
 def _yaml(path: str):
@@ -26,52 +31,57 @@ def _tasks(tasks: list) -> list:
     return out
 
 
-@pytest.mark.parametrize(("playbook", "play"), PLAYS.items())
-def test_each_play_includes_the_one_rollout_with_its_own_inputs(playbook, play):
+@pytest.mark.parametrize(("playbook", "wants"), PLAYS.items())
+def test_each_play_includes_the_one_rollout_with_its_own_inputs(playbook, wants):
     rollout = _yaml(playbook)[-1]
     includes = [
         t
         for t in _tasks(rollout["tasks"])
         if t.get("ansible.builtin.include_role", {}).get("name") == "sglang_rollout"
     ]
-    assert len(includes) == 1 and includes[0]["vars"]["sglang_rollout_play"] == play
+    assert len(includes) == 1
+    given = includes[0]["vars"]
+    asked = (given["sglang_rollout_install"], given["sglang_rollout_shadow"], given["sglang_rollout_record"])
+    assert asked == wants
     assert all(name.startswith("sglang_rollout_") for name in includes[0]["vars"])
     # No rescue of its own, and no set_fact of role inputs that would outlive the include.
     assert not [t for t in _tasks(rollout["tasks"]) if "rescue" in t]
     assert not [t for t in _tasks(rollout["tasks"]) if "ansible.builtin.set_fact" in t]
 
 
-def test_the_rollout_task_file_holds_the_sequence_and_the_rescue_in_order():
+def _included(tasks: list) -> list[tuple[str, str]]:
+    roles = [t["ansible.builtin.include_role"] for t in _tasks(tasks) if "ansible.builtin.include_role" in t]
+    return [(r["name"], r.get("tasks_from", "main")) for r in roles]
+
+
+def test_the_steps_and_the_rescue_are_two_files_in_one_block_in_order():
     (block,) = _yaml("roles/sglang_rollout/tasks/main.yml")
-    steps = [
-        (
-            t["ansible.builtin.include_role"]["name"],
-            t["ansible.builtin.include_role"].get("tasks_from", "main"),
-        )
-        for t in block["block"]
-        if "ansible.builtin.include_role" in t
-    ]
+    assert [t["ansible.builtin.import_tasks"] for t in block["block"]] == ["steps.yml"]
+    assert [t["ansible.builtin.import_tasks"] for t in block["rescue"]] == ["rescue.yml"]
+    steps = _included(_yaml("roles/sglang_rollout/tasks/steps.yml"))
     assert steps == [
+        ("sglang_canary", "preflight"),
+        ("sglang_canary", "fingerprint"),
         ("ddtree_runtime", "main"),
-        ("ddtree_probe", "main"),
+        ("ddtree_probe", "static"),
         ("sglang_service", "prepare"),
         ("sglang_rotation", "leave"),
         ("sglang_service", "apply"),
-        ("ddtree_probe", "main"),
+        ("ddtree_probe", "live"),
         ("sglang_rotation", "join"),
         ("sglang_canary", "record"),
     ]
-    rescued = [
-        t["ansible.builtin.include_role"]["tasks_from"]
-        for t in _tasks(block["rescue"])
-        if "ansible.builtin.include_role" in t and "tasks_from" in t["ansible.builtin.include_role"]
-    ]
-    assert rescued == ["remove_shadow", "remove_shadow", "fingerprint", "rollback", "record"]
-    assert "ansible.builtin.fail" in block["rescue"][-1]
+    assert _included(_yaml("roles/sglang_rollout/tasks/shadow.yml")) == [
+        ("sglang_service", "main"), ("ddtree_probe", "live"), ("sglang_canary", "compare"),
+        ("sglang_canary", "traffic"), ("sglang_canary", "remove_shadow")]
+    rescue = _yaml("roles/sglang_rollout/tasks/rescue.yml")
+    assert [entry for _, entry in _included(rescue)] == [
+        "remove_shadow", "diagnose", "remove_shadow", "fingerprint", "rollback", "record"]
+    assert "ansible.builtin.fail" in rescue[-1]
 
 
 def test_the_service_restarts_in_its_sequence_without_a_handler():
-    assert _yaml("roles/sglang_service/handlers/main.yml") == []
+    assert not (REPO / "roles/sglang_service/handlers").exists()
     for path in (REPO / "roles/sglang_service/tasks").glob("*.yml"):
         for task in _tasks(yaml.safe_load(path.read_text())):
             assert "notify" not in task and task.get("ansible.builtin.meta") != "flush_handlers", path.name

@@ -15,7 +15,7 @@ from typing import ClassVar
 import pytest
 
 from ddtree_runtime.cli import main
-from ddtree_runtime.health import counterfactual as cf
+from ddtree_runtime.health import counterfactual_counters as cf
 from ddtree_runtime.planner import tune
 from ddtree_runtime.tiny_engine.serving_metrics import ServingMetrics
 
@@ -44,10 +44,10 @@ SNAP = _snapshot(400, {"chain": (400, 400, 400.0, 800), "16": B16}, 800, 400 * 4
 
 
 def test_the_counters_parse_back_and_the_estimates_follow_from_them() -> None:
-    counts = cf.parse_metrics(_metrics_text(SNAP))
-    assert counts["rounds_scored"] == 400 and counts["real_emitted_tokens"] == 800
-    assert counts["rounds_dropped"] == 1 and counts["rounds_discarded"] == 2
-    assert counts["budgets"]["16"]["accepted_tokens"] == 1200
+    counts = cf.read_counters(_metrics_text(SNAP), horizon=15, running="chain")
+    assert counts.rounds_scored == 400 and counts.real_emitted_tokens == 800
+    assert counts.rounds_dropped == 1 and counts.rounds_discarded == 2
+    assert counts.candidates["16"].accepted_tokens == 1200
     chain, b16 = cf.estimates(counts)
     assert (chain.label, chain.budget, b16.budget) == ("chain", None, 16)
     assert chain.mean_accepted == 1 and chain.sd_accepted == 0 and chain.tokens_per_round == pytest.approx(2)
@@ -65,8 +65,8 @@ def test_the_counters_parse_back_and_the_estimates_follow_from_them() -> None:
 def test_text_without_counters_or_with_broken_ones_is_refused() -> None:
     with pytest.raises(cf.NoCounterfactual, match="counterfactual-fraction"):
         cf.parse_metrics(ServingMetrics("lab").render().decode())
-    with pytest.raises(ValueError, match="finite"):
-        cf.parse_metrics("sglang:ddtree_counterfactual_rounds_scored_total NaN\n")
+    with pytest.raises(cf.EvidenceError, match="finite"):
+        cf.read_counters(_metrics_text(SNAP).replace(" 400.0\n", " NaN\n", 1))
     with pytest.raises(ValueError, match="budget label"):
         cf.parse_metrics("sglang:ddtree_counterfactual_rounds_scored_total 3\n"
                          "sglang:ddtree_counterfactual_accepted_tokens_total 3\n")  # fmt: skip
@@ -126,12 +126,17 @@ def test_the_pick_weighs_acceptance_against_round_cost_and_its_noise() -> None:
     assert tune.flag_overrides("32") == {"speculative-ddtree-budget": 32, "speculative-ddtree-topk-cap": None}
 
 
-def test_the_verb_proposes_the_host_vars_change_and_writes_nothing(tmp_path: Path, capsys) -> None:
+def test_the_verb_proposes_the_host_vars_change_and_writes_nothing(
+    tmp_path: Path, capsys, qwen36_models_json: Path
+) -> None:
     scrape = tmp_path / "metrics.txt"
     scrape.write_text(_metrics_text(SNAP))
     before = sorted(tmp_path.iterdir())
+    # Budget 16 needs a wider KV window than the chain: only ddtree plan's fit (balanced on one H200) lets
+    # it be proposed.
+    plan = ["--models-json", str(qwen36_models_json), "--profile", "balanced"]
     code = main(["tune", "--metrics-file", str(scrape), "--current", "chain", "--concurrency", "1",
-                 "--propose", "--json"])  # fmt: skip
+                 "--propose", "--json", *plan])  # fmt: skip
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and sorted(tmp_path.iterdir()) == before
     # 3.08 tokens a round at 24.0 ms against 2 at 22.9 ms.
@@ -142,7 +147,7 @@ def test_the_verb_proposes_the_host_vars_change_and_writes_nothing(tmp_path: Pat
             "speculative-ddtree-topk-cap": None,
         }
     }
-    code = main(["tune", "--metrics-file", str(scrape), "--current", "chain", "--propose"])
+    code = main(["tune", "--metrics-file", str(scrape), "--current", "chain", "--propose", *plan])
     text = capsys.readouterr().out
     assert code == 0 and "recommend: 16 instead of chain" in text and "speculative-ddtree-budget: 16" in text
     assert "concurrency 3 (sglang:num_running_reqs" in text  # no --concurrency: the scrape's gauge
@@ -196,14 +201,15 @@ def fake_server() -> Iterator[str]:
 def test_the_verb_reads_a_server_and_its_current_setting(fake_server: str, capsys) -> None:
     _Fake.metrics = _metrics_text(SNAP)
     _Fake.info = {"speculative_algorithm": "DDTREE", "speculative_ddtree_budget": 15,
-                  "speculative_ddtree_topk_cap": 1}  # fmt: skip
+                  "speculative_ddtree_topk_cap": 1, "speculative_dflash_block_size": 16}  # fmt: skip
     assert main(["tune", "--url", fake_server, "--concurrency", "1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["current"] == "chain" and out["recommended"] == "16"
-    _Fake.info = {"speculative_algorithm": "DDTREE", "speculative_ddtree_budget": 16}
-    assert main(["tune", "--url", fake_server, "--concurrency", "1", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["current"] == "16" and out["recommended"] == "16" and not out["change"]
+    assert out["current"] == "chain" and out["best_runnable"] == "chain"  # 16 not planned: left out
+    # A server that says it runs 16 while these counters' 16 differs from its real rounds: refused.
+    _Fake.info = {"speculative_algorithm": "DDTREE", "speculative_ddtree_budget": 16,
+                  "speculative_dflash_block_size": 16}  # fmt: skip
+    assert main(["tune", "--url", fake_server, "--concurrency", "1", "--json"]) == 2
+    assert "the server runs 16" in capsys.readouterr().err
     assert main(["tune", "--url", "http://127.0.0.1:1", "--timeout", "2"]) == 3
     assert "ddtree tune:" in capsys.readouterr().err
 
@@ -212,6 +218,7 @@ def test_the_exporter_serves_the_estimate_per_budget(fake_server: str, tmp_path:
     from prometheus_client.parser import text_string_to_metric_families
 
     _Fake.metrics = _metrics_text(SNAP)
+    _Fake.info = {"speculative_algorithm": "DFLASH", "speculative_dflash_block_size": 16}
     root = tmp_path / "state"
     unit = "sglang-qwen.service"
     assert main(["metrics", "record-counterfactual", "--state-dir", str(root), "--unit", unit,
@@ -225,7 +232,7 @@ def test_the_exporter_serves_the_estimate_per_budget(fake_server: str, tmp_path:
     assert samples[("ddtree_counterfactual_rounds_scored_total", "sglang-qwen", None)] == 400
     assert samples[("ddtree_counterfactual_accepted_tokens_total", "sglang-qwen", "16")] == 1200
     assert samples[("ddtree_counterfactual_tokens_per_round", "sglang-qwen", "chain")] == pytest.approx(2.0)
-    b16 = cf.estimates(cf.parse_metrics(_Fake.metrics))[1]
+    b16 = cf.estimates(cf.read_counters(_Fake.metrics))[1]
     assert samples[("ddtree_counterfactual_tokens_per_round", "sglang-qwen", "16")] == pytest.approx(
         b16.tokens_per_round
     )

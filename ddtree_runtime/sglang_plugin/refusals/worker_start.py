@@ -11,8 +11,9 @@ import os
 from typing import Any
 
 from ddtree_runtime.core.contract import HiddenContract, load_contract
+from ddtree_runtime.core.decoder_settings import DecoderSettings
 from ddtree_runtime.core.model_files import ContractError
-from ddtree_runtime.sglang_plugin.algorithm import is_chain
+from ddtree_runtime.sglang_plugin.algorithm import PluginSettings, is_chain
 from ddtree_runtime.sglang_plugin.refusals.resolution import GDN, DDTreeConfigError, hybrid_kind, kind_note
 
 
@@ -41,7 +42,7 @@ class TreeDecodeNotAvailable(DDTreeConfigError):
     """A configuration the tree decode round cannot serve (the message says why and what starts)."""
 
 
-def check_tree_decode_support(settings: dict[str, Any], cfg: Any) -> None:
+def check_tree_decode_support(settings: PluginSettings, cfg: Any) -> None:
     """Start-up refusals of the tree round, from the launch flags (chain configurations run
     DFlash's decode and pass)."""
     if is_chain(settings):
@@ -61,7 +62,7 @@ def check_tree_decode_support(settings: dict[str, Any], cfg: Any) -> None:
         raise TreeDecodeNotAvailable(_tree_refusal(settings, hits))
 
 
-def check_tree_worker_features(settings: dict[str, Any], worker: Any) -> None:
+def check_tree_worker_features(settings: PluginSettings, worker: Any) -> None:
     """The same, for what only the built DFlash worker knows (drafter heads, hybrid state)."""
     if is_chain(settings):
         return
@@ -77,7 +78,7 @@ def check_tree_worker_features(settings: dict[str, Any], worker: Any) -> None:
         raise TreeDecodeNotAvailable(_tree_refusal(settings, hits))
 
 
-def _hybrid_tree_problems(settings: dict[str, Any], runner: Any) -> list[str]:
+def _hybrid_tree_problems(settings: PluginSettings, runner: Any) -> list[str]:
     """A recurrent-state target: only GDN layers, with dense per-row scratch wide enough."""
     from ddtree_runtime.sglang_plugin.round.hybrid_state import HybridScratchError, check_tree_scratch
 
@@ -85,18 +86,19 @@ def _hybrid_tree_problems(settings: dict[str, Any], runner: Any) -> list[str]:
     if kind != GDN:
         return [f"a hybrid target with {kind_note(str(kind))}"]
     try:
-        check_tree_scratch(runner.req_to_token_pool, int(settings["budget"]) + 1)
+        check_tree_scratch(runner.req_to_token_pool, settings.decoder.verify_rows)
     except HybridScratchError as exc:
         return [f"a GDN hybrid target whose state pool cannot hold a tree: {exc}"]
     return []
 
 
-def _tree_refusal(settings: dict[str, Any], hits: list[str]) -> str:
-    block = settings["block_size"]
+def _tree_refusal(settings: PluginSettings, hits: list[str]) -> str:
+    decoder = settings.decoder
+    chain = DecoderSettings.chain(decoder.block_size)
     return (
-        f"DDTREE cannot run a tree (budget {settings['budget']}, top-k cap {settings['topk_cap']}) "
+        f"DDTREE cannot run a tree (budget {decoder.budget}, top-k cap {decoder.topk_cap}) "
         "with:\n  - " + "\n  - ".join(hits) + "\nWhat starts: drop the flag named above, or run "
-        f"the chain case --speculative-ddtree-topk-cap 1 --speculative-ddtree-budget {block - 1} "
+        f"the chain case --speculative-ddtree-topk-cap 1 --speculative-ddtree-budget {chain.budget} "
         "(decoded exactly like DFLASH), or --speculative-algorithm DFLASH."
     )
 

@@ -48,13 +48,13 @@ class SGLangRoundModels:
         bs, block = block_ids.shape
         lm_head = w.target_worker.model_runner.model.lm_head
         vocab = int(w.model_runner.model_config.vocab_size)
-        settings = w.ddtree_settings
+        decoder = w.ddtree_settings.decoder
         with draft_tp_context(w.draft_parallel_layout):
             rows = hidden[:, 1:].reshape(-1, hidden.shape[-1])
             # TP: a vocabulary shard per rank, top-K + logsumexp exchanged (draft_head, tp_head)
             head = draft_head(
                 rows, lm_head, vocab, get_parallel().tp_group,
-                budget=int(settings["budget"]), topk_cap=settings["topk_cap"],
+                budget=decoder.budget, topk_cap=decoder.topk_cap,
             )
         if isinstance(head, DraftTopK):
             return head.reshape(bs, block - 1)  # depths 1..L only

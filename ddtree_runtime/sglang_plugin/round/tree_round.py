@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 from ddtree_runtime.core.contract import HiddenContract
+from ddtree_runtime.core.decoder_settings import DecoderSettings
 from ddtree_runtime.core.hidden_states import check_hidden_states
 from ddtree_runtime.core.model_files import ContractError
 from ddtree_runtime.core.tree import DraftTopK, WalkResult, walk_greedy, walk_sample
@@ -86,6 +87,15 @@ class RoundConfig:
     page_size: int = 1
     topk_cap: int | None = None
     window: int | None = None  # rows written per round; default max(budget + 1, block_size)
+
+    @classmethod
+    def from_settings(
+        cls, settings: DecoderSettings, *, mask_token_id: int, page_size: int = 1
+    ) -> RoundConfig:
+        """The round's configuration from the decoder's settings (``core/decoder_settings.py``): the one
+        place the worker builds it."""
+        return cls(settings.budget, settings.block_size, mask_token_id, page_size, settings.topk_cap,
+                   settings.kv_window)  # fmt: skip
 
     @property
     def verify_rows(self) -> int:

@@ -36,18 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddtree_runtime.health.prompts import CAPITAL
+from ddtree_runtime.tiny_engine.language import LAB_PROMPTS
 from ddtree_sglang_gpu_lab.server import GpuServer
 
-PROMPTS = (
-    "the cat sees a",
-    "under the old tree",
-    "morning rain and",
-    "the fox carries a small stone",
-    "quiet evening",
-    "a bird sings while the river",
-    "The capital of France is",
-    "<|im_start|>user\nthe old fox watches<|im_end|>\n<|im_start|>assistant\n",
-)
+# The lab language's prompts, the probe's first and a chat turn (one home each: ddtree_runtime's).
+PROMPTS = (*LAB_PROMPTS, CAPITAL, "<|im_start|>user\nthe old fox watches<|im_end|>\n<|im_start|>assistant\n")
 NEW_TOKENS = 64
 
 
