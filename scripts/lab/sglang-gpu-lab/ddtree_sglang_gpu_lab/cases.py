@@ -284,38 +284,26 @@ def prod_spec(word: str) -> Spec:
     the 27B hybrid shape; ``dflash-dense8b``, ``ddtree15-dense8b``: the dense Qwen3-8B shape (no SSM
     state); ``ddtree16base-fp32``: the packed baseline plugin (pack.py --baseline REF); a decoder word
     ending ``-eager`` runs the tree round without its CUDA graphs (SGLANG_DDTREE_ROUND_GRAPHS=0)."""
-    decoder, _, ssm = word.partition("-")
+    decoder, _, shape = word.partition("-")
     env: dict[str, str] = {}
-    if ssm.endswith("-eager"):
-        ssm = ssm[: -len("-eager")]
+    if shape.endswith("-eager"):
+        shape = shape[: -len("-eager")]
         env["SGLANG_DDTREE_ROUND_GRAPHS"] = "0"
-    if ssm == "dense8b":
-        return _dense8b_spec(word, decoder, env)
     if decoder.endswith("base"):
         decoder = decoder[: -len("base")]
         base = baseline_env()
         if base is None:
             raise ValueError(f"{word!r}: no baseline plugin was packed (pack.py --baseline REF)")
         env = {**env, **base}
-    dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(ssm)
-    if dtype is None:
-        raise ValueError(f"{word!r}: end with -fp32 or -bf16 (the SSM state dtype)")
-    # The lab's 0.5 leaves room for several servers; one 27B server at a time takes the profile's.
-    overrides: dict[str, Any] = {"mem-fraction-static": 0.88, "mamba-ssm-dtype": dtype}
-    algorithm: str | None = None
-    if decoder == "dflash":
-        algorithm = "DFLASH"
-    elif decoder.startswith("ddtree") and decoder[6:].isdigit():
-        algorithm = "DDTREE"
-        overrides["speculative-ddtree-budget"] = int(decoder[6:])
-    elif decoder != "plain":
-        raise ValueError(f"{word!r}: start with plain, dflash or ddtreeB")
-    dummy = ["--load-format", "dummy"]
-    return Spec(f"prod-{word}", "prod", algorithm, env=env, overrides=overrides, extra=dummy)
-
-
-def _dense8b_spec(word: str, decoder: str, env: dict[str, str]) -> Spec:
+    # The lab's 0.5 leaves room for several servers; one production-shape server at a time takes the
+    # profile's.
     overrides: dict[str, Any] = {"mem-fraction-static": 0.88}
+    pair = "prod8b" if shape == "dense8b" else "prod"
+    if pair == "prod":
+        dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(shape)
+        if dtype is None:
+            raise ValueError(f"{word!r}: end with -fp32 or -bf16 (the SSM state dtype) or -dense8b")
+        overrides["mamba-ssm-dtype"] = dtype
     algorithm: str | None = None
     if decoder == "dflash":
         algorithm = "DFLASH"
@@ -325,7 +313,7 @@ def _dense8b_spec(word: str, decoder: str, env: dict[str, str]) -> Spec:
     elif decoder != "plain":
         raise ValueError(f"{word!r}: start with plain, dflash or ddtreeB")
     dummy = ["--load-format", "dummy"]
-    return Spec(f"prod-{word}", "prod8b", algorithm, env=env, overrides=overrides, extra=dummy)
+    return Spec(f"prod-{word}", pair, algorithm, env=env, overrides=overrides, extra=dummy)
 
 
 def profile_round(server: GpuServer, out: Path, level: int, steps: int = 24) -> dict[str, Any]:
