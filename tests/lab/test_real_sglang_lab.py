@@ -32,6 +32,7 @@ LIVE_FILES = ("/etc/systemd/system/sglang-qwen.service", "/etc/sglang/sglang-qwe
 STATE = "/var/lib/ddtree/state/sglang-qwen.json"
 PROBE_REPORT = "/var/lib/ddtree/probe/sglang-qwen.json"
 CPU_LAYER = Path("scripts/lab/sglang-cpu-lab")
+LAB_BASE = Path("scripts/lab/sglang-lab-base")  # the machinery the CPU layer runs on (its own wheel)
 # Two real servers share a loaded 2-core CI CPU during the canary: its latency gate has its own tests.
 CANARY_COMMON = ["-e", "sglang_canary_rounds=2", "-e", "sglang_canary_max_latency_ratio=6"]
 
@@ -41,12 +42,14 @@ def report(scenario: str, **figures: object) -> None:
 
 
 def freeze(dest: Path, version: str | None = None) -> Path:
-    """The checkout's package sources and the CPU layer (others may edit the tree meanwhile)."""
+    """The checkout's package sources, the CPU layer and the lab base it runs on (others may edit the
+    tree meanwhile)."""
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(REPO / name, dest / name)
     skip = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info", "build")
     shutil.copytree(REPO / "ddtree_runtime", dest / "ddtree_runtime", ignore=skip)
-    shutil.copytree(REPO / CPU_LAYER, dest / CPU_LAYER, ignore=skip)
+    for layer in (CPU_LAYER, LAB_BASE):
+        shutil.copytree(REPO / layer, dest / layer, ignore=skip)
     if version is not None:
         init = dest / "ddtree_runtime" / "__init__.py"
         text = re.sub(r'^__version__ = ".*"$', f'__version__ = "{version}"', init.read_text(), flags=re.M)
