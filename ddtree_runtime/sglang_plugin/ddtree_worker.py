@@ -3,8 +3,9 @@
 What it adds to ``DFlashWorkerV2`` (which keeps the drafter, its KV pool, the prompt
 materialisation and the CUDA graphs):
 
-* start-up: the hidden-state width check (``ddtree_runtime.core.contract``); a mismatch fails the
-  start instead of handing the drafter ``[N, 5120]`` where it expects ``[N, 25600]``;
+* start-up: the hidden-state width check, from the files before loading (``core.contract``) and
+  from the loaded models for every server, hub ids included (``refusals.worker_start``); a mismatch
+  fails the start instead of handing the drafter ``[N, 5120]`` where it expects ``[N, 25600]``;
 * after every target forward that captures hidden states for the drafter: the None / shape
   check, and the live handshake (``/server_info``, ``sglang:ddtree_*``);
 * the drafter runs its own block (``speculative_dflash_block_size``) while the target verifies
@@ -40,6 +41,7 @@ from ddtree_runtime.sglang_plugin.refusals.worker_start import (
     check_tree_decode_support,
     check_tree_graphs,
     check_tree_worker_features,
+    loaded_contract,
     startup_contract,
 )
 from ddtree_runtime.sglang_plugin.round.bounds import verify_mask_cells
@@ -61,18 +63,23 @@ class DDTreeWorker(DFlashWorkerV2):
         from sglang.srt.arg_groups.overrides import resolving_view
 
         cfg = resolving_view(server_args)
+        # From the files first (local directories): a mismatch fails before any weight is loaded.
         contract = startup_contract(str(cfg.model_path), str(cfg.speculative_draft_model_path))
         check_tree_decode_support(settings, cfg)
-        self._ddtree_contract = contract
-        base = static_handshake(settings.with_contract(contract.to_dict() if contract else None))
-        self._ddtree_handshake = HandshakeState(base)
         self._ddtree_metrics = HandshakeMetrics() if cfg.enable_metrics else None
-        if contract is not None:
-            target_worker.forward_batch_generation = guard_target_forward(
-                target_worker.forward_batch_generation, contract, self._ddtree_handshake, self._publish
-            )
-        self._publish(self._ddtree_handshake.to_dict())
         super().__init__(server_args, gpu_id, nccl_port, target_worker)
+        # Then from what SGLang loaded, for every server (hub ids have no files to read above).
+        loaded = loaded_contract(target_worker.model_runner, self.draft_model, settings)
+        self._ddtree_contract = contract or loaded
+        base = static_handshake(settings.with_contract(self._ddtree_contract.to_dict()))
+        self._ddtree_handshake = HandshakeState(base)
+        target_worker.forward_batch_generation = guard_target_forward(
+            target_worker.forward_batch_generation,
+            self._ddtree_contract,
+            self._ddtree_handshake,
+            self._publish,
+        )
+        self._publish(self._ddtree_handshake.to_dict())
         if not is_chain(settings):
             self._adopt_drafter_block()
 

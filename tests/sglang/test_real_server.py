@@ -359,3 +359,57 @@ def test_the_chain_setting_is_token_identical_and_passes_the_probe(
         assert probe.ok, probe.to_dict()
         assert probe.figures["lossless"]["status"] == "passed", probe.figures["lossless"]
     report("chain", ready_seconds=ready, **figures)
+
+
+def hub_cache(models: Path, home: Path) -> dict[str, str]:
+    """The lab models as hub ids (``lab/tiny-<name>``) in an offline Hugging Face cache under ``home``:
+    what a server started with hub ids reads, with no local directory for the plugin's file check."""
+    revision = "0" * 40
+    for name in ("target", "draft", "draft-mismatched"):
+        repo = home / "hub" / f"models--lab--tiny-{name}"
+        snapshot = repo / "snapshots" / revision
+        snapshot.mkdir(parents=True, exist_ok=True)
+        for file in (models / name).iterdir():
+            if not (snapshot / file.name).exists():
+                (snapshot / file.name).symlink_to(file)
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / "main").write_text(revision)
+    return {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def test_a_server_started_with_hub_ids_checks_and_publishes_the_width(
+    models: Path, reference: dict, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    env = hub_cache(models, tmp_path_factory.mktemp("hf-home"))
+    with RealServer(Path("lab/tiny-target"), Path("lab/tiny-draft"), env=env,
+                    log_dir=tmp_path_factory.mktemp("hub-ids")) as server:  # fmt: skip
+        ready = server.wait_ready()
+        answers = server.generate(PROMPTS[:2], NEW_TOKENS)
+        for prompt, answer in zip(PROMPTS[:2], answers, strict=True):
+            assert answer["output_ids"] == reference[prompt][:NEW_TOKENS], prompt
+        status, info = server.request("/server_info")
+    assert status == 200 and info["model_path"] == "lab/tiny-target"
+    hs = info["ddtree_handshake"]
+    # The width comes from the loaded models (no files to read): 2 target layers x 64, checked each forward.
+    assert hs["target_layer_ids"] == [1, 2] and hs["target_hidden_size"] == 64, hs
+    assert hs["expected_hidden_width"] == hs["draft_fc_in_features"] == hs["observed_hidden_width"] == 128, hs
+    assert hs["status"] == "ok", hs
+    report("hub_ids", ready_seconds=ready)
+
+
+def test_a_drafter_for_another_target_by_hub_id_fails_the_start_with_the_reason(
+    models: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from tests.sglang._real_server import ServerFailed
+
+    env = hub_cache(models, tmp_path_factory.mktemp("hf-home"))
+    server = RealServer(Path("lab/tiny-target"), Path("lab/tiny-draft-mismatched"), env=env,
+                        log_dir=tmp_path_factory.mktemp("hub-ids-mismatched"))  # fmt: skip
+    try:
+        # Without the loaded check this server starts, and its first request fails inside the drafter.
+        with pytest.raises(ServerFailed) as failed:
+            server.wait_ready()
+    finally:
+        server.stop()
+    assert "drafter fc expects [N, 192] but the target captures [N, 128]" in str(failed.value)
+    assert "2 target layers x 64" in str(failed.value)

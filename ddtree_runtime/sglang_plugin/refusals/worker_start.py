@@ -18,9 +18,9 @@ from ddtree_runtime.sglang_plugin.refusals.resolution import GDN, DDTreeConfigEr
 
 
 def startup_contract(target_path: str, draft_path: str) -> HiddenContract | None:
-    """The width check at worker start: raises ContractError when the drafter's ``fc`` does not
-    take what the target captures. None when the models are not local directories (the check
-    then runs on the loaded drafter, see ``check_loaded_widths``)."""
+    """The width check at worker start, from the files: raises ContractError when the drafter's
+    ``fc`` does not take what the target captures. None when the models are not local directories
+    (hub ids): ``loaded_contract`` then states it from the loaded models."""
     if not (os.path.isdir(target_path) and os.path.isdir(draft_path)):
         return None
     return load_contract(target_path, draft_path)
@@ -33,10 +33,40 @@ def check_loaded_widths(target_hidden: int, layer_ids: list[int], fc_in_features
         raise ContractError(
             "fc_width_mismatch",
             f"drafter fc expects [N, {fc_in_features}] but the target captures [N, {width}] "
-            f"({len(layer_ids)} target layers x {target_hidden})",
+            f"({len(layer_ids)} target layers x {target_hidden}): is this drafter made for this "
+            "target? Point --speculative-draft-model-path at the drafter trained on it.",
             expected=fc_in_features,
             capture_width=width,
         )
+
+
+def loaded_contract(target_runner: Any, draft_model: Any, settings: PluginSettings) -> HiddenContract:
+    """The width contract as SGLang loaded it: the layers the target's runner captures for the
+    drafter (``spec_aux_config``), the target's hidden size and the drafter's ``fc``. Every server
+    gets it, hub ids included; raises ContractError on a mismatch, before any forward."""
+    model_config = target_runner.model_config
+    layer_ids = getattr(target_runner.spec_aux_config, "dflash_target_layer_ids", None)
+    if not layer_ids:
+        raise ContractError(
+            "hidden_states_missing",
+            "the target's runner captures no hidden states for the drafter (no DFlash target layer "
+            "ids): is the algorithm treated as DFlash-family? Check that the ddtree plugin is loaded "
+            "(SGLANG_PLUGINS) in the scheduler processes.",
+        )
+    fc = draft_model.fc
+    fc_in = int(getattr(fc, "in_features", None) or fc.input_size)  # nn.Linear or ReplicatedLinear
+    hidden = int(model_config.hidden_size)
+    check_loaded_widths(hidden, list(layer_ids), fc_in)
+    return HiddenContract(
+        target_hidden_size=hidden,
+        target_num_layers=int(model_config.num_hidden_layers),
+        target_layer_ids=tuple(int(i) for i in layer_ids),
+        block_size=settings.decoder.block_size,
+        draft_hidden_size=int(draft_model.config.hidden_size),
+        fc_in_features=fc_in,
+        mask_token_id=None,
+        hybrid=settings.hybrid_kind is not None,
+    )
 
 class TreeDecodeNotAvailable(DDTreeConfigError):
     """A configuration the tree decode round cannot serve (the message says why and what starts)."""
