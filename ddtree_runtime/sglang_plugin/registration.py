@@ -68,6 +68,7 @@ def register_all() -> None:
         return  # registered already in this process
 
     from ddtree_runtime.sglang_plugin.algorithm import DDTreeSpecAlgo
+    from ddtree_runtime.sglang_plugin.counterfactual_hook import register_counterfactual_hooks
     from ddtree_runtime.sglang_plugin.graph_sites import register_graph_hooks
     from ddtree_runtime.sglang_plugin.server_info import register_server_info_hooks
     from ddtree_runtime.sglang_plugin.sites import include_in_spec_decode_snapshot, register_site_hooks
@@ -84,6 +85,7 @@ def register_all() -> None:
     register_graph_hooks()
     register_server_info_hooks()
     register_warmup()
+    register_counterfactual_hooks()
     include_in_spec_decode_snapshot(get_spec(ALGORITHM))
     global _registration_complete
     _registration_complete = True
