@@ -244,11 +244,19 @@ class TeeDraftBlock:
         return getattr(self._models, name)
 
 
+class _Done:
+    """The event of a copy that completed when it was issued (the scorer on the host)."""
+
+    def query(self) -> bool:
+        return True
+
+
 class CounterPublisher:
     """The scorer's counters to ``sink(snapshot)`` without a host sync on the decode path: after a round,
-    at most every ``interval_s``, an asynchronous copy into pinned memory (CUDA), published at a later
-    round once its event has completed; :meth:`flush` reads them directly (the scheduler is idle then,
-    nothing to wait for)."""
+    at most every ``interval_s``, an asynchronous copy of :meth:`CounterfactualScorer.counter_vector` into
+    (pinned) host memory, published at a later round once its event has completed; :meth:`flush` reads them
+    directly (the scheduler is idle then, nothing to wait for). ``async_copy``: copy and wait for the event
+    (default: where the scorer is on CUDA; a scorer on the host is read at once)."""
 
     def __init__(
         self,
@@ -256,11 +264,13 @@ class CounterPublisher:
         sink: Callable[[dict], None],
         interval_s: float = 2.0,
         clock: Callable[[], float] | None = None,
+        async_copy: bool | None = None,
     ) -> None:
         import time
 
         self.hook, self.sink, self.interval_s = hook, sink, interval_s
         self.clock = clock or time.monotonic
+        self.async_copy = hook.device.type == "cuda" if async_copy is None else async_copy
         self._next = 0.0
         self._published = -1  # rounds_observed at the last publish
         self._copy: tuple[Tensor, Any, int] | None = None  # (host buffer, event, rounds_observed)
@@ -275,13 +285,16 @@ class CounterPublisher:
             return
         self._next = now + self.interval_s
         vec = self.hook.scorer.counter_vector()
-        if vec.device.type != "cuda":
-            self._publish(vec.tolist(), self.hook.rounds_observed)  # CPU: the values are here
+        if not self.async_copy:
+            self._publish(vec.tolist(), self.hook.rounds_observed)  # on the host: the values are here
             return
-        host = torch.empty(vec.shape, dtype=vec.dtype, pin_memory=True)
-        host.copy_(vec, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        cuda = vec.device.type == "cuda"
+        host = torch.empty(vec.shape, dtype=vec.dtype, pin_memory=cuda)
+        host.copy_(vec, non_blocking=cuda)
+        event: Any = _Done()
+        if cuda:
+            event = torch.cuda.Event()
+            event.record()
         self._copy = (host, event, self.hook.rounds_observed)
 
     def flush(self) -> None:
