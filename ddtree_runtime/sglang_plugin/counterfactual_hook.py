@@ -274,6 +274,7 @@ class CounterPublisher:
         self._next = 0.0
         self._published = -1  # rounds_observed at the last publish
         self._copy: tuple[Tensor, Any, int] | None = None  # (host buffer, event, rounds_observed)
+        self._host: Tensor | None = None  # the copy's host buffer, allocated once (one copy at a time)
 
     def after_round(self) -> None:
         if self._copy is not None and self._copy[1].query():
@@ -289,7 +290,9 @@ class CounterPublisher:
             self._publish(vec.tolist(), self.hook.rounds_observed)  # on the host: the values are here
             return
         cuda = vec.device.type == "cuda"
-        host = torch.empty(vec.shape, dtype=vec.dtype, pin_memory=cuda)
+        if self._host is None:
+            self._host = torch.empty(vec.shape, dtype=vec.dtype, pin_memory=cuda)
+        host = self._host
         host.copy_(vec, non_blocking=cuda)
         event: Any = _Done()
         if cuda:
