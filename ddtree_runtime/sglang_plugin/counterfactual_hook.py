@@ -421,6 +421,8 @@ def build_scoring(worker: Any, *, model_name: str | None) -> WorkerScoring | Non
         device=worker.device,
     )
 
+    warm_candidate_trees(hook.scorer, vocab)
+
     def rank_hidden(hidden: Tensor, k: int) -> Tensor | DraftTopK:
         # The group is read here, inside DFlash's draft_tp_context (as the tree round's head reads it).
         return draft_head(hidden, lm_head, vocab, get_parallel().tp_group, budget=k, topk_cap=None)
@@ -440,6 +442,18 @@ def build_scoring(worker: Any, *, model_name: str | None) -> WorkerScoring | Non
         ",".join(c.label for c in scored), scoring_settings.fraction, hook.scorer.num_slots,
     )  # fmt: skip
     return scoring
+
+
+def warm_candidate_trees(scorer: CounterfactualScorer, vocab: int) -> None:
+    """Build every candidate's tree once for one request from a made-up top-K: the tree kernels of
+    budgets the server's own round never builds compile now, not on the first sampled round (their
+    specialisations depend on the budget, not on the batch)."""
+    k = min(scorer.max_budget, vocab)
+    device, horizon = scorer.device, scorer.horizon
+    ranks = torch.arange(k, device=device)
+    log_probs = (-1.0 - ranks.float()).expand(1, horizon, k).contiguous()  # strictly descending: no ties
+    ids = ranks.expand(1, horizon, k).contiguous()
+    scorer.trees(DraftTopK(log_probs, ids, torch.zeros((1, horizon), device=device)))
 
 
 def _tee_draft_forward(runner: Any, take: Callable[[Any], None]) -> None:

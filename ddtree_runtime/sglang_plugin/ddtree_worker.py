@@ -105,6 +105,9 @@ class DDTreeWorker(DFlashWorkerV2):
             from ddtree_runtime.sglang_plugin.round.round_graphs import round_graphs_for_worker
 
             self._round_graphs = round_graphs_for_worker(self, self._round_config())
+        # Counterfactual scoring, built (and its candidates' tree builds compiled) before the server says
+        # ready, not at the first decode round under traffic (counterfactual_hook.build_scoring).
+        self._counterfactual()
 
     def _adopt_drafter_block(self) -> None:
         """DFlashWorkerV2 sizes its drafter block from speculative_num_draft_tokens, which for a

@@ -202,3 +202,52 @@ def test_the_guard_sees_a_host_read():
     _guard_scorer(h)
     with pytest.raises(HostRead):
         h.scorer.snapshot()
+
+
+# --- the worker's scoring from its settings ----------------------------------------------------
+
+
+def _fake_worker(settings, vocab: int = 50, hidden: int = 6) -> SimpleNamespace:
+    lm_head = SimpleNamespace(weight=torch.randn(vocab, hidden))
+    runner = SimpleNamespace(
+        model=SimpleNamespace(lm_head=lm_head),
+        req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(9, 64, dtype=torch.int32)),
+    )
+    return SimpleNamespace(
+        ddtree_settings=settings,
+        target_worker=SimpleNamespace(model_runner=runner),
+        model_runner=SimpleNamespace(model_config=SimpleNamespace(vocab_size=vocab)),
+        draft_model_runner=SimpleNamespace(forward=lambda fb: None),
+        device=torch.device("cpu"),
+    )
+
+
+@pytest.mark.parametrize("chain", [False, True])
+def test_build_scoring_builds_the_hook_from_the_settings_and_compiles_every_candidate_first(
+    monkeypatch, chain
+):
+    import sglang.srt.runtime_context as runtime_context
+
+    from ddtree_runtime.core.decoder_settings import DecoderSettings
+    from ddtree_runtime.sglang_plugin import counterfactual_hook
+    from ddtree_runtime.sglang_plugin.algorithm import PluginSettings
+
+    monkeypatch.setattr(
+        runtime_context, "get_parallel", lambda: SimpleNamespace(tp_group=None, attn_tp_rank=0)
+    )
+    built = []
+    trees = counterfactual_hook.CounterfactualScorer.trees
+    monkeypatch.setattr(counterfactual_hook.CounterfactualScorer, "trees",
+                        lambda self, top: built.append(tuple(top.ids.shape)) or trees(self, top))  # fmt: skip
+    decoder = DecoderSettings.chain(BLOCK) if chain else DecoderSettings(BUDGET, BLOCK)
+    cf = CounterfactualSettings.resolve(0.25, "2,8,chain", L)
+    worker = _fake_worker(PluginSettings(decoder, counterfactual=cf))
+    forward = worker.draft_model_runner.forward
+    scoring = counterfactual_hook.build_scoring(worker, model_name=None)
+    assert [c.label for c in scoring.hook.scorer.candidates] == ["2", "8", "chain"]
+    assert scoring.hook.sampler.fraction == 0.25 and scoring.hook.scorer.num_slots == 9
+    assert scoring.publisher is None  # --enable-metrics off: scored, not published
+    assert built == [(1, L, 8)]  # every candidate's tree built once before any round
+    assert (worker.draft_model_runner.forward is not forward) is chain  # the chain's drafter pass teed
+    off = _fake_worker(PluginSettings(decoder, counterfactual=CounterfactualSettings.resolve(0.0, "8", L)))
+    assert counterfactual_hook.build_scoring(off, model_name="m") is None
