@@ -80,3 +80,31 @@ def test_a_greedy_walk_emits_the_same_tokens_in_either_order() -> None:
 def test_padding_rows_stay_last() -> None:
     parents = torch.tensor([[-1, 0, 0, 1, -1, -1]])
     assert depth_first_order(parents).tolist() == [[0, 1, 3, 2, 4, 5]]
+
+
+def _host_order(parents: torch.Tensor) -> torch.Tensor:
+    """The plain recursion: preorder with children in row order, padding last."""
+    orders = []
+    for row in parents.tolist():
+        children: dict[int, list[int]] = {}
+        for node, parent in enumerate(row[1:], start=1):
+            if parent >= 0:
+                children.setdefault(parent, []).append(node)
+
+        def visit(node: int, children: dict[int, list[int]] = children) -> list[int]:
+            return [node] + [m for child in children.get(node, []) for m in visit(child)]
+
+        order = visit(0)
+        orders.append(order + [r for r in range(len(row)) if r not in order])
+    return torch.tensor(orders)
+
+
+def test_the_tensor_order_is_the_plain_recursions() -> None:
+    for seed, (sharpness, budget) in enumerate([(1.0, 7), (3.0, 15), (6.0, 31), (12.0, 63), (0.5, 64)]):
+        tree = _tree(sharpness, budget, seed=seed)
+        want = _host_order(tree.parents)
+        assert torch.equal(depth_first_order(tree.parents), want)
+        assert torch.equal(depth_first_order(tree.parents, max_depth=tree.horizon), want)
+    few = _tree(3.0, 15, seed=9)
+    few.parents[:, 12:] = -1  # padding rows in the middle of nothing: fewer nodes than the budget
+    assert torch.equal(depth_first_order(few.parents, max_depth=few.horizon), _host_order(few.parents))
