@@ -20,7 +20,8 @@ The modules, as a reader of SGLang's ``srt/speculative/`` looks for them (``dfla
 * hooks on SGLang's own code: ``sites`` (sites that test the name ``"DFLASH"``), ``graph_sites``
   (what the target's CUDA graphs capture for trees), ``server_info`` and ``handshake`` (the
   handshake in ``/server_info`` and ``sglang:ddtree_*`` metrics), ``warmup`` (tree rounds at every
-  captured batch size before the server says ready, SGLang's ``--warmups``);
+  captured batch size before the server says ready, SGLang's ``--warmups``), ``gdn_verify_kernel``
+  (the GDN layers' tree verify on the plugin's recurrence, behind a switch);
 * the algorithm's info and worker: ``ddtree_info`` (the verify input SGLang's backends read, the
   round's input from a ``ScheduleBatch``), ``ddtree_worker`` (``DDTreeWorker`` on
   ``DFlashWorkerV2``), ``hidden_guard`` (the hidden-state check after every target forward);

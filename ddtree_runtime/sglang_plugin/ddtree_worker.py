@@ -3,9 +3,10 @@
 What it adds to ``DFlashWorkerV2`` (which keeps the drafter, its KV pool, the prompt
 materialisation and the CUDA graphs):
 
-* start-up: the hidden-state width check, from the files before loading (``core.contract``) and
-  from the loaded models for every server, hub ids included (``refusals.worker_start``); a mismatch
-  fails the start instead of handing the drafter ``[N, 5120]`` where it expects ``[N, 25600]``;
+* start-up: the hidden-state width check, from the files before loading (``core.contract``), and
+  for hub ids (no files to read) from the loaded models (``refusals.worker_start.loaded_contract``,
+  behind ``SGLANG_DDTREE_LOADED_WIDTH_CHECK=1`` until the GPU suite has run it); a mismatch fails
+  the start instead of handing the drafter ``[N, 5120]`` where it expects ``[N, 25600]``;
 * after every target forward that captures hidden states for the drafter: the None / shape
   check, and the live handshake (``/server_info``, ``sglang:ddtree_*``);
 * the drafter runs its own block (``speculative_dflash_block_size``) while the target verifies
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
+from ddtree_runtime.core.contract import HiddenContract
 from ddtree_runtime.sglang_plugin.algorithm import is_chain, published_settings, resolved_settings
 from ddtree_runtime.sglang_plugin.ddtree_info import round_input
 from ddtree_runtime.sglang_plugin.handshake import HandshakeMetrics, HandshakeState, static_handshake
@@ -43,6 +45,7 @@ from ddtree_runtime.sglang_plugin.refusals.worker_start import (
     check_tree_graphs,
     check_tree_worker_features,
     loaded_contract,
+    loaded_width_check_on,
     startup_contract,
 )
 from ddtree_runtime.sglang_plugin.round.bounds import verify_mask_cells
@@ -64,31 +67,38 @@ class DDTreeWorker(DFlashWorkerV2):
         from sglang.srt.arg_groups.overrides import resolving_view
 
         cfg = resolving_view(server_args)
-        # From the files first (local directories): a mismatch fails before any weight is loaded.
+        # From the files (local directories): a mismatch fails before any weight is loaded.
         contract = startup_contract(str(cfg.model_path), str(cfg.speculative_draft_model_path))
         check_tree_decode_support(settings, cfg)
         self._ddtree_metrics = HandshakeMetrics() if cfg.enable_metrics else None
-        # Counterfactual scoring (counterfactual_hook), built at the first decode round; the counters'
+        # Counterfactual scoring (counterfactual_hook), built once the pools and graphs exist; the counters'
         # model_name label as the lab engine's, None when --enable-metrics is off (scored, not published).
         self._ddtree_scoring: Any = None
         self._ddtree_scoring_model = (
             str(cfg.served_model_name or cfg.model_path) if cfg.enable_metrics else None
         )
+        self._guard_widths(target_worker, contract)
         super().__init__(server_args, gpu_id, nccl_port, target_worker)
-        # Then from what SGLang loaded, for every server (hub ids have no files to read above).
-        loaded = loaded_contract(target_worker.model_runner, self.draft_model, settings)
-        self._ddtree_contract = contract or loaded
-        base = static_handshake(settings.with_contract(self._ddtree_contract.to_dict()))
-        self._ddtree_handshake = HandshakeState(base)
-        target_worker.forward_batch_generation = guard_target_forward(
-            target_worker.forward_batch_generation,
-            self._ddtree_contract,
-            self._ddtree_handshake,
-            self._publish,
-        )
-        self._publish(self._ddtree_handshake.to_dict())
+        if loaded_width_check_on():
+            # The contract as SGLang loaded the two models: the one check for hub ids (no files to
+            # read above), a second one for local directories.
+            loaded = loaded_contract(target_worker.model_runner, self.draft_model, settings)
+            if contract is None:
+                self._guard_widths(target_worker, loaded)
         if not is_chain(settings):
             self._adopt_drafter_block()
+
+    def _guard_widths(self, target_worker: Any, contract: HiddenContract | None) -> None:
+        """The handshake from ``contract`` (None: unknown), published, and with a contract the
+        hidden-state check after every target forward."""
+        self._ddtree_contract = contract
+        base = static_handshake(self.ddtree_settings.with_contract(contract.to_dict() if contract else None))
+        self._ddtree_handshake = HandshakeState(base)
+        if contract is not None:
+            target_worker.forward_batch_generation = guard_target_forward(
+                target_worker.forward_batch_generation, contract, self._ddtree_handshake, self._publish
+            )
+        self._publish(self._ddtree_handshake.to_dict())
 
     def init_cuda_graphs(self) -> None:
         """The scheduler calls this once the pools and attention backends exist (SGLang 0.5.23 builds

@@ -69,6 +69,7 @@ def register_all() -> None:
 
     from ddtree_runtime.sglang_plugin.algorithm import DDTreeSpecAlgo
     from ddtree_runtime.sglang_plugin.counterfactual_hook import register_counterfactual_hooks
+    from ddtree_runtime.sglang_plugin.gdn_verify_kernel import register_gdn_verify_hook
     from ddtree_runtime.sglang_plugin.graph_sites import register_graph_hooks
     from ddtree_runtime.sglang_plugin.server_info import register_server_info_hooks
     from ddtree_runtime.sglang_plugin.sites import include_in_spec_decode_snapshot, register_site_hooks
@@ -83,6 +84,7 @@ def register_all() -> None:
     HookRegistry.register(FROM_CLI_ARGS, _from_cli_args_hook, HookType.AFTER)
     register_site_hooks()
     register_graph_hooks()
+    register_gdn_verify_hook()  # off unless SGLANG_DDTREE_GDN_REUSE_PARENT=1
     register_server_info_hooks()
     register_warmup()
     register_counterfactual_hooks()

@@ -8,12 +8,19 @@ first-child / next-sibling links, dense per-row conv scratch); 1 and 8 requests;
 (SGLang's default ``mamba_ssm_dtype``) and bf16. Every row's SSM state goes to the per-row scratch,
 so the bytes written grow with the rows: the figure that decides the budgets worth shipping.
 
+``reuse`` cases run the plugin's recurrence that keeps a parent's state in registers when the parent is
+the previous row (``core/kernels/gdn_tree_recurrent.py``, bit-identical to SGLang's; each case checks
+it against SGLang's kernel on the same inputs); ``pre`` cases order the tree's rows depth first (each
+node's best child right after it), which makes that the case for every first child. ``--sharpness``
+scales the random drafter logits (higher: peakier distributions, deeper trees, more first children).
+
 Prints one JSON line per case: medians in microseconds of the two kernels per layer, replayed from
 CUDA graphs round-robin over ``--layers`` independent buffer sets (no launch overhead, little L2
 reuse), the eager per-layer time (launches included: DDTREE's verify runs eager), per-verify
 figures (x 48) and the scratch bytes written per layer.
 
     python scripts/kernels/gdn_tree_price.py [--batches 1,8] [--configs chain16,tree16,tree64]
+    python scripts/kernels/gdn_tree_price.py --configs chain16,tree15,tree15-reuse,tree15-pre-reuse
 
 Without SGLang installed, carry its kernels first (scripts/kernels/carry_gdn_kernels.py).
 ``--smoke`` runs tiny shapes on CPU under TRITON_INTERPRET=1 (a correctness check of the script).
@@ -50,13 +57,21 @@ class Shapes:
 SMOKE = Shapes(hv=4, h=2, k=16, v=16, w=4, block=4, act=torch.float32)  # the interpreter has no bf16
 
 
-def tree_links(batch: int, budget: int, horizon: int, device: str, seed: int) -> tuple[torch.Tensor, ...]:
-    """Our tree for random, fairly flat drafter distributions: (first child, next sibling, parents)."""
+def tree_links(
+    batch: int, budget: int, horizon: int, device: str, seed: int, *,
+    sharpness: float = 2.0, preorder: bool = False,
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """Our tree for random drafter distributions (``sharpness`` scales the logits: 2.0 is fairly
+    flat): (first child, next sibling, parents), rows in heap order or depth first."""
     from ddtree_runtime.core.tree import build_tree, compile_tree
+    from ddtree_runtime.core.tree_order import depth_first_order, reorder_tree
 
     g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(batch, horizon, 1000, generator=g) * 2.0
+    logits = torch.randn(batch, horizon, 1000, generator=g) * sharpness
     tree = build_tree(logits, budget)
+    if preorder:
+        order = depth_first_order(tree.parents)
+        tree = reorder_tree(tree, order)
     inputs = compile_tree(tree, torch.zeros(batch, dtype=torch.long), torch.full((batch,), 100))
     links = (inputs.retrieve_next_token, inputs.retrieve_next_sibling, tree.parents)
     return tuple(x.to(device) for x in links)
@@ -73,13 +88,14 @@ def dedup_conv_scratch(slots: int, steps: int, conv_dim: int, w: int, dtype, dev
 class Layer:
     """One GDN layer's buffers for one verify of ``batch`` requests x ``rows`` rows."""
 
-    def __init__(self, shp: Shapes, batch: int, rows: int, tree: bool, ssm_dtype, device, links, seed: int):
+    def __init__(self, shp: Shapes, batch: int, rows: int, tree: bool, ssm_dtype, device, links, seed: int,
+                 reuse: bool = False):
         g = torch.Generator(device=device).manual_seed(seed)
         act = shp.act
         c = shp.conv_dim
         steps = max(rows, shp.block)
         slots = batch + 1
-        self.rows, self.batch, self.shp = rows, batch, shp
+        self.rows, self.batch, self.shp, self.reuse = rows, batch, shp, reuse
         self.mixed = torch.randn(batch * rows, c, generator=g, device=device, dtype=act)
         self.weight = torch.randn(c, shp.w, generator=g, device=device, dtype=act) * 0.5
         self.conv_pool = torch.randn(slots, c, shp.w - 1, generator=g, device=device, dtype=act)
@@ -114,21 +130,34 @@ class Layer:
 
     def recurrent(self) -> None:
         from sglang.kernels.ops.attention.linear.fused_sigmoid_gating_recurrent import (
+            _select_recurrent_launch_config,
             fused_sigmoid_gating_delta_rule_update,
         )
 
         shp, n = self.shp, self.batch * self.rows
         mixed = self.conv_out.transpose(1, 2).reshape(n, -1)
         q, k, v = torch.split(mixed, [shp.h * shp.k, shp.h * shp.k, shp.hv * shp.v], dim=-1)
-        fused_sigmoid_gating_delta_rule_update(
+        args = dict(
             A_log=self.A_log, dt_bias=self.dt_bias,
             q=q.view(1, n, shp.h, shp.k), k=k.view(1, n, shp.h, shp.k), v=v.view(1, n, shp.hv, shp.v),
             a=self.a, b=self.b, initial_state_source=self.ssm_pool, initial_state_indices=self.slots,
-            cu_seqlens=self.cu, use_qk_l2norm_in_kernel=True, softplus_beta=1.0, softplus_threshold=20.0,
-            disable_state_update=True, intermediate_states_buffer=self.inter_ssm,
-            intermediate_state_indices=self.scratch_rows, cache_steps=self.rows,
+            cu_seqlens=self.cu, softplus_beta=1.0, softplus_threshold=20.0,
+            intermediate_states_buffer=self.inter_ssm, intermediate_state_indices=self.scratch_rows,
             retrieve_parent_token=self.parent,
         )  # fmt: skip
+        if self.reuse:
+            from sglang.kernels.jit.utils import is_arch_support_pdl
+
+            from ddtree_runtime.core.kernels.gdn_tree_recurrent import gdn_tree_verify
+
+            bv, warps = _select_recurrent_launch_config(
+                self.batch, shp.h, shp.hv, shp.k, shp.v, False, target_verify=True
+            )
+            self.rec_out = gdn_tree_verify(**args, block_v=bv, num_warps=warps, use_pdl=is_arch_support_pdl())
+        else:
+            self.rec_out = fused_sigmoid_gating_delta_rule_update(
+                **args, use_qk_l2norm_in_kernel=True, disable_state_update=True, cache_steps=self.rows
+            )
 
     def both(self) -> None:
         self.conv()
@@ -141,7 +170,31 @@ class Layer:
         return ssm + conv
 
 
-CONFIGS = {"chain16": (None, False), "tree16": (16, True), "tree64": (64, True)}
+
+
+def parse_config(config: str) -> tuple[int | None, bool, bool, bool]:
+    """``chain16`` | ``treeB[-pre][-reuse]`` -> (budget, tree, preorder, reuse)."""
+    if config == "chain16":
+        return None, False, False, False
+    words = config.split("-")
+    if not words[0].startswith("tree") or not words[0][4:].isdigit() or set(words[1:]) - {"pre", "reuse"}:
+        raise SystemExit(f"unknown config {config!r}: chain16 or treeB[-pre][-reuse], e.g. tree15-pre-reuse")
+    return int(words[0][4:]), True, "pre" in words, "reuse" in words
+
+
+def check_reuse_against_sglang(layer: Layer) -> dict:
+    """The reusing recurrence and SGLang's on the same inputs: outputs and scratch rows bit for bit."""
+    layer.reuse = False
+    layer.both()
+    want_out, want_scratch = layer.rec_out.clone(), layer.inter_ssm.clone()
+    layer.inter_ssm.zero_()
+    layer.reuse = True
+    layer.recurrent()
+    return {
+        "check_reuse_bit_identical": bool(
+            torch.equal(layer.rec_out, want_out) and torch.equal(layer.inter_ssm, want_scratch)
+        )
+    }
 
 
 def check_against_reference(layer: Layer) -> dict:
@@ -178,13 +231,23 @@ def check_against_reference(layer: Layer) -> dict:
     }
 
 
-def run_case(shp: Shapes, config: str, batch: int, ssm_dtype, layers: int, iters: int, device: str) -> dict:
+def run_case(shp: Shapes, config: str, batch: int, ssm_dtype, layers: int, iters: int, device: str,
+             sharpness: float = 2.0) -> dict:
     from ddtree_runtime.bench import _eager_times, _graph_times
+    from ddtree_runtime.core.kernels.gdn_tree_recurrent import parent_is_previous_fraction
 
-    budget, tree = CONFIGS[config]
+    budget, tree, preorder, reuse = parse_config(config)
     rows = (budget + 1) if tree else shp.block
-    links = tree_links(batch, budget, shp.block - 1, device, seed=batch) if tree else None
-    stack = [Layer(shp, batch, rows, tree, ssm_dtype, device, links, seed=i) for i in range(layers)]
+    links = None
+    if tree:
+        links = tree_links(
+            batch, budget, shp.block - 1, device, seed=batch, sharpness=sharpness, preorder=preorder
+        )
+
+    def layer(seed: int, reuse: bool = reuse) -> Layer:
+        return Layer(shp, batch, rows, tree, ssm_dtype, device, links, seed=seed, reuse=reuse)
+
+    stack = [layer(i) for i in range(layers)]
     med = statistics.median
     if device == "cuda":
         conv = med(_graph_times([lay.conv for lay in stack], iters))
@@ -195,13 +258,19 @@ def run_case(shp: Shapes, config: str, batch: int, ssm_dtype, layers: int, iters
         stack[0].both()
         conv = rec = both = eager = 0.0
     written = stack[0].scratch_bytes_written()
-    check = check_against_reference(Layer(shp, batch, rows, tree, ssm_dtype, device, links, seed=99))
+    check = check_against_reference(layer(99))
+    if reuse:
+        check.update(check_reuse_against_sglang(layer(98, reuse=False)))
     row = {
         "bench": "gdn_tree_price",
         "config": config,
         "budget": budget,
         "rows": rows,
         "batch": batch,
+        "preorder": preorder,
+        "reuse_parent": reuse,
+        "sharpness": sharpness,
+        "parent_is_previous": round(parent_is_previous_fraction(links[2].cpu()), 3) if tree else 1.0,
         "ssm_dtype": str(ssm_dtype).replace("torch.", ""),
         "shapes": {"hv": shp.hv, "h": shp.h, "k": shp.k, "v": shp.v, "conv_dim": shp.conv_dim},
         "conv_us": round(conv, 2),
@@ -228,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--layers", type=int, default=4, help="independent buffer sets replayed round-robin")
     p.add_argument("--iters", type=int, default=60)
+    p.add_argument("--sharpness", type=float, default=2.0, help="scale of the random drafter logits")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1)")
     args = p.parse_args(argv)
     device = "cpu" if args.smoke else "cuda"
@@ -236,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         for batch in (int(b) for b in args.batches.split(",")):
             for config in args.configs.split(","):
                 dtype = getattr(torch, dtype_name)
-                row = run_case(shp, config, batch, dtype, args.layers, args.iters, device)
+                row = run_case(shp, config, batch, dtype, args.layers, args.iters, device, args.sharpness)
                 print(json.dumps(row), flush=True)
     return 0
 

@@ -74,8 +74,10 @@ def servers():
     from ddtree_sglang_gpu_lab.cases import Spec, start_all
 
     fault = os.environ.get("DDTREE_GPU_SUITE_FAULT")
-    # Every speculative server counts the host syncs inside its decode forwards (lab only).
-    env = {"DDTREE_LAB_SYNC_WATCH": "1", **({"DDTREE_LAB_FAULT": fault} if fault else {})}
+    # Every speculative server counts the host syncs inside its decode forwards (lab only); the tree
+    # servers also check the widths on the loaded models (off by default until this suite has run it).
+    env = {"DDTREE_LAB_SYNC_WATCH": "1", "SGLANG_DDTREE_LOADED_WIDTH_CHECK": "1",
+           **({"DDTREE_LAB_FAULT": fault} if fault else {})}  # fmt: skip
     specs = [Spec(f"{pair}-plain", pair) for pair in ("dense", "hybrid")]
     specs.append(Spec("dense-dflash", "dense", "DFLASH", env={"DDTREE_LAB_SYNC_WATCH": "1"}))
     for name, (pair, budget, page) in CONFIGS.items():

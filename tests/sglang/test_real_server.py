@@ -363,7 +363,8 @@ def test_the_chain_setting_is_token_identical_and_passes_the_probe(
 
 def hub_cache(models: Path, home: Path) -> dict[str, str]:
     """The lab models as hub ids (``lab/tiny-<name>``) in an offline Hugging Face cache under ``home``:
-    what a server started with hub ids reads, with no local directory for the plugin's file check."""
+    what a server started with hub ids reads, with no local directory for the plugin's file check. The
+    environment turns on the check on the loaded models (off by default until the GPU suite runs it)."""
     revision = "0" * 40
     for name in ("target", "draft", "draft-mismatched"):
         repo = home / "hub" / f"models--lab--tiny-{name}"
@@ -374,7 +375,8 @@ def hub_cache(models: Path, home: Path) -> dict[str, str]:
                 (snapshot / file.name).symlink_to(file)
         (repo / "refs").mkdir(exist_ok=True)
         (repo / "refs" / "main").write_text(revision)
-    return {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "SGLANG_DDTREE_LOADED_WIDTH_CHECK": "1"}  # fmt: skip
 
 
 def test_a_server_started_with_hub_ids_checks_and_publishes_the_width(
