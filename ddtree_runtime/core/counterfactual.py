@@ -35,12 +35,19 @@ from ddtree_runtime.core.tree import build_tree_from_topk, topk_log_probs
 from ddtree_runtime.core.tree_types import DraftTopK, DraftTree
 
 __all__ = [
+    "DEFAULT_BUDGETS",
+    "DEFAULT_FRACTION",
     "Candidate",
     "CounterfactualScorer",
+    "CounterfactualSettings",
     "match_depth",
     "parse_candidates",
 ]
 
+# The servers' defaults (the lab engine's flags and the SGLang plugin's): one greedy round in 20 scored
+# (~400 rounds per 8k rounds served), for the budgets `ddtree tune` weighs and the chain.
+DEFAULT_BUDGETS = "8,16,32,64,chain"
+DEFAULT_FRACTION = 0.05
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,38 @@ def parse_candidates(spec: str | Iterable[str], horizon: int) -> list[Candidate]
             raise ValueError(f"candidate {item!r} given twice")
         out.append(cand)
     return out
+
+
+@dataclass(frozen=True)
+class CounterfactualSettings:
+    """What a server scores: the fraction of greedy decode rounds (0: off) and the candidates, resolved
+    against the drafter's horizon. :meth:`resolve` is the one check of the two flags; ValueError names
+    the flag, the value and the rule."""
+
+    fraction: float
+    budgets: str
+    candidates: tuple[Candidate, ...]
+
+    @classmethod
+    def resolve(cls, fraction: float, budgets: str, horizon: int) -> CounterfactualSettings:
+        if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0.0 <= fraction <= 1.0:
+            # NaN fails the range too
+            raise ValueError(
+                "--speculative-ddtree-counterfactual-fraction must be a number in [0, 1] (0 turns scoring "
+                f"off), got {fraction!r}"
+            )
+        try:
+            candidates = parse_candidates(budgets, horizon)
+        except ValueError as exc:
+            raise ValueError(
+                f"--speculative-ddtree-counterfactual-budgets {ascii(budgets)[:80]}: {exc} "
+                f"(e.g. {DEFAULT_BUDGETS})"
+            ) from None
+        return cls(float(fraction), budgets, tuple(candidates))
+
+    @property
+    def enabled(self) -> bool:
+        return self.fraction > 0.0
 
 
 def match_depth(tree: DraftTree, continuation: Tensor) -> Tensor:
@@ -312,28 +351,47 @@ class CounterfactualScorer:
         candidate would need ``n / (accepted + 1)`` rounds), exact when the candidate's acceptance is
         constant over each real round's span (docs/counterfactual-acceptance.md).
         """
-        acc, sq = self.accepted.tolist(), self.accepted_sq.tolist()
-        weight, cross = self.round_weight.tolist(), self.accepted_x_real.tolist()
-        real = int(self.real_emitted)
+        return self.snapshot_from(self.counter_vector().tolist())
+
+    def counter_vector(self) -> Tensor:
+        """Every counter in one fp64 vector on the scorer's device, without a host read: a caller that
+        must not sync copies it to the host asynchronously and reads it with :meth:`snapshot_from`. fp64
+        holds the integer counts exactly below 2**53 (the readers refuse counts above it)."""
+        scalars = [self.rounds_scored, self.rounds_sampled, self.rounds_dropped, self.rounds_discarded,
+                   self.active.sum(), self.real_emitted, self.real_emitted_sq]  # fmt: skip
+        per = [self.accepted, self.accepted_sq, self.round_weight, self.accepted_x_real]
+        return torch.cat([torch.stack(scalars).double(), *(t.double() for t in per)])
+
+    def snapshot_from(self, values: Sequence[float]) -> dict:
+        """:meth:`snapshot`'s dict from a host copy of :meth:`counter_vector`."""
+        c = len(self.candidates)
+        if len(values) != _HEAD + 4 * c:
+            raise ValueError(f"a counter vector of {len(values)} values; this scorer's holds {_HEAD + 4 * c}")
+        head = [int(v) for v in values[:_HEAD]]
+        acc, sq, weight, cross = (values[_HEAD + i * c : _HEAD + (i + 1) * c] for i in range(4))
+        real = head[5]
         return {
-            "rounds_scored": int(self.rounds_scored),
-            "rounds_sampled": int(self.rounds_sampled),
-            "rounds_dropped": int(self.rounds_dropped),
-            "rounds_discarded": int(self.rounds_discarded),
-            "pending": int(self.active.sum()),
+            "rounds_scored": head[0],
+            "rounds_sampled": head[1],
+            "rounds_dropped": head[2],
+            "rounds_discarded": head[3],
+            "pending": head[4],
             "real_emitted": real,
-            "real_emitted_sq": int(self.real_emitted_sq),
+            "real_emitted_sq": head[6],
             "candidates": [
                 {
-                    "label": c.label,
-                    "budget": c.budget,
-                    "topk_cap": c.topk_cap,
-                    "accepted": a,
-                    "accepted_sq": q,
-                    "round_weight": w,
-                    "accepted_x_real": x,
+                    "label": cand.label,
+                    "budget": cand.budget,
+                    "topk_cap": cand.topk_cap,
+                    "accepted": int(a),
+                    "accepted_sq": int(q),
+                    "round_weight": float(w),
+                    "accepted_x_real": int(x),
                     "tokens_per_round": real / w if w > 0 else None,
                 }
-                for c, a, q, w, x in zip(self.candidates, acc, sq, weight, cross, strict=True)
+                for cand, a, q, w, x in zip(self.candidates, acc, sq, weight, cross, strict=True)
             ],
         }
+
+
+_HEAD = 7  # counter_vector's scalars before the per-candidate blocks

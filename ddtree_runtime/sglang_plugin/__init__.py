@@ -25,6 +25,9 @@ The modules, as a reader of SGLang's ``srt/speculative/`` looks for them (``dfla
 * the algorithm's info and worker: ``ddtree_info`` (the verify input SGLang's backends read, the
   round's input from a ``ScheduleBatch``), ``ddtree_worker`` (``DDTreeWorker`` on
   ``DFlashWorkerV2``), ``hidden_guard`` (the hidden-state check after every target forward);
+* counterfactual acceptance on live traffic: ``counterfactual_hook`` (the worker scores a sampled
+  fraction of greedy decode rounds for every candidate budget, reading nothing back inside a round),
+  ``counterfactual_metrics`` (its ``sglang:ddtree_counterfactual_*`` counters on SGLang's ``/metrics``);
 * one tree round, the subpackage ``round``: ``tree_round`` (the round with its two model passes
   injected), ``sglang_models`` (those passes on SGLang's runners), ``tree_step`` (tree, verify arrays,
   walk in SGLang's layout), ``tree_commit`` (the accepted KV into SGLang's pools), ``hybrid_state``

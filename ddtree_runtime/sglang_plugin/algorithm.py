@@ -21,6 +21,7 @@ from typing import Any
 
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
+from ddtree_runtime.core.counterfactual import CounterfactualSettings
 from ddtree_runtime.core.decoder_settings import VALIDATED_MAX_BUDGET, DecoderSettings, SettingsError
 from ddtree_runtime.sglang_plugin import warmup
 from ddtree_runtime.sglang_plugin.cli_args import ddtree_args_of
@@ -45,6 +46,8 @@ class PluginSettings:
     hybrid_kind: str | None = None  # SGLang's recurrent-state kind of the target; None: pure attention
     contract: dict[str, Any] | None = None  # the hidden-state contract from the files, when local
     algorithm: str = ALGORITHM
+    # What the worker scores (counterfactual_hook); None only where settings are built by hand (tests).
+    counterfactual: CounterfactualSettings | None = None
 
     def with_contract(self, contract: dict[str, Any] | None) -> PluginSettings:
         return replace(self, contract=contract)
@@ -197,6 +200,12 @@ def resolve_server_args(server_args: Any) -> None:
         decoder = DecoderSettings.resolve(args.budget, block, args.topk_cap)
     except SettingsError as exc:
         raise DDTreeConfigError(f"DDTREE: {exc}") from None
+    try:
+        counterfactual = CounterfactualSettings.resolve(
+            args.counterfactual_fraction, args.counterfactual_budgets, decoder.horizon
+        )
+    except ValueError as exc:
+        raise DDTreeConfigError(f"DDTREE: {exc}") from None
     kind, config_class = _hybrid_kind(record)
     check_hybrid(
         str(cfg.model_path), kind, config_class, allow_hybrid=args.allow_hybrid, chain=decoder.is_chain,
@@ -217,7 +226,10 @@ def resolve_server_args(server_args: Any) -> None:
         # Tree rounds at every captured batch size before the server says ready (warmup.py).
         declared["warmups"] = warmup.with_warmup(cfg.warmups)
     declare_resolution(record, RESOLUTION_SOURCE, **declared)
-    resolved = PluginSettings(decoder, allow_hybrid=args.allow_hybrid, hybrid_kind=kind, contract=contract)
+    resolved = PluginSettings(
+        decoder, allow_hybrid=args.allow_hybrid, hybrid_kind=kind, contract=contract,
+        counterfactual=counterfactual,
+    )  # fmt: skip
     setattr(record, RESOLVED_ATTR, resolved)
     logger.info(
         "DDTREE: budget %d (verify width %d), drafter block %d, top-k cap %s",

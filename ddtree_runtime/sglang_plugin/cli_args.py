@@ -17,6 +17,7 @@ import argparse
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ddtree_runtime.core.counterfactual import DEFAULT_BUDGETS, DEFAULT_FRACTION
 from ddtree_runtime.core.decoder_settings import MAX_BUDGET
 
 RECORD_ATTR = "_ddtree_cli"
@@ -29,6 +30,10 @@ class DDTreeArgs:
     budget: int | None = None  # None: decoder_settings.default_budget (block - 1)
     topk_cap: int | None = None
     allow_hybrid: bool = False
+    # Counterfactual acceptance (docs/counterfactual-acceptance.md): checked at resolution
+    # (core/counterfactual.CounterfactualSettings.resolve), where the drafter's horizon is known.
+    counterfactual_fraction: float = DEFAULT_FRACTION
+    counterfactual_budgets: str = DEFAULT_BUDGETS
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -79,6 +84,31 @@ def add_ddtree_arguments(parser: argparse.ArgumentParser) -> None:
         "verify trees on (Mamba2, KDA, lightning attention, ...). Gated DeltaNet hybrids "
         "(Qwen3-Next / Qwen3.5 / Qwen3.6) serve trees without it; no kind gets a tree through it.",
     )
+    group.add_argument(
+        "--speculative-ddtree-counterfactual-fraction",
+        type=_fraction,
+        default=DEFAULT_FRACTION,
+        help="DDTREE only. Fraction of greedy decode rounds on which every budget of "
+        "--speculative-ddtree-counterfactual-budgets is scored against the real output "
+        "(sglang:ddtree_counterfactual_* on /metrics with --enable-metrics, read by `ddtree tune`); "
+        f"0 turns scoring off. Default {DEFAULT_FRACTION}.",
+    )
+    group.add_argument(
+        "--speculative-ddtree-counterfactual-budgets",
+        default=DEFAULT_BUDGETS,
+        help="DDTREE only. Comma-separated tree budgets to score, `chain` for DFlash's chain "
+        f"(top-k cap 1). Default {DEFAULT_BUDGETS}.",
+    )
+
+
+def _fraction(text: str) -> float:
+    """A number; its range is checked at resolution, with the budgets (one message for both)."""
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--speculative-ddtree-counterfactual-fraction takes a number in [0, 1], got {text!r}"
+        ) from None
 
 
 def capture_ddtree_arguments(record: Any, namespace: argparse.Namespace) -> DDTreeArgs:
@@ -87,6 +117,12 @@ def capture_ddtree_arguments(record: Any, namespace: argparse.Namespace) -> DDTr
         budget=getattr(namespace, "speculative_ddtree_budget", None),
         topk_cap=getattr(namespace, "speculative_ddtree_topk_cap", None),
         allow_hybrid=bool(getattr(namespace, "speculative_ddtree_allow_hybrid", False)),
+        counterfactual_fraction=getattr(
+            namespace, "speculative_ddtree_counterfactual_fraction", DEFAULT_FRACTION
+        ),
+        counterfactual_budgets=str(
+            getattr(namespace, "speculative_ddtree_counterfactual_budgets", DEFAULT_BUDGETS)
+        ),
     )
     setattr(record, RECORD_ATTR, args.to_dict())
     return args

@@ -25,6 +25,7 @@ Decode:
 Configurations the tree round cannot serve are refused at worker start with the reason
 (``check_tree_decode_support``); prefill always runs DFlash's own code (prompt materialisation).
 """
+
 from __future__ import annotations
 
 import logging
@@ -70,6 +71,12 @@ class DDTreeWorker(DFlashWorkerV2):
         contract = startup_contract(str(cfg.model_path), str(cfg.speculative_draft_model_path))
         check_tree_decode_support(settings, cfg)
         self._ddtree_metrics = HandshakeMetrics() if cfg.enable_metrics else None
+        # Counterfactual scoring (counterfactual_hook), built once the pools and graphs exist; the counters'
+        # model_name label as the lab engine's, None when --enable-metrics is off (scored, not published).
+        self._ddtree_scoring: Any = None
+        self._ddtree_scoring_model = (
+            str(cfg.served_model_name or cfg.model_path) if cfg.enable_metrics else None
+        )
         self._guard_widths(target_worker, contract)
         super().__init__(server_args, gpu_id, nccl_port, target_worker)
         if loaded_width_check_on():
@@ -108,6 +115,9 @@ class DDTreeWorker(DFlashWorkerV2):
             from ddtree_runtime.sglang_plugin.round.round_graphs import round_graphs_for_worker
 
             self._round_graphs = round_graphs_for_worker(self, self._round_config())
+        # Counterfactual scoring, built (and its candidates' tree builds compiled) before the server says
+        # ready, not at the first decode round under traffic (counterfactual_hook.build_scoring).
+        self._counterfactual()
 
     def _adopt_drafter_block(self) -> None:
         """DFlashWorkerV2 sizes its drafter block from speculative_num_draft_tokens, which for a
@@ -150,15 +160,45 @@ class DDTreeWorker(DFlashWorkerV2):
         self, batch: Any, on_publish: Any = None, grammar_barrier: Any = None, pp_proxy_tensors: Any = None
     ) -> Any:
         mode = batch.forward_mode
-        if is_chain(self.ddtree_settings) or mode.is_extend() or batch.is_extend_in_batch or mode.is_idle():
+        decode = not (mode.is_extend() or batch.is_extend_in_batch or mode.is_idle())
+        scoring = self._counterfactual() if decode else None
+        if scoring is not None:
+            scoring.begin(batch)  # host only: this round's sampling decision
+        if is_chain(self.ddtree_settings) or not decode:
             # Chain decode, prefill (prompt materialised into draft KV) and idle ranks: DFlash's code.
-            return super().forward_batch_generation(
+            result = super().forward_batch_generation(
                 batch,
                 on_publish=on_publish,
                 grammar_barrier=grammar_barrier,
                 pp_proxy_tensors=pp_proxy_tensors,
             )
-        return self._tree_decode(batch, on_publish)
+        else:
+            result = self._tree_decode(batch, on_publish)
+        if scoring is not None:
+            scoring.end(result)  # device ops only (counterfactual_hook)
+        return result
+
+    # --- counterfactual acceptance (counterfactual_hook) -----------------------------------------
+    def _counterfactual(self) -> Any:
+        """The worker's ``WorkerScoring``, or None: fraction 0 builds nothing and runs nothing."""
+        scoring = getattr(self, "_ddtree_scoring", None)
+        if scoring is None:
+            cf = self.ddtree_settings.counterfactual
+            if cf is None or not cf.enabled:
+                scoring = False
+            else:
+                from ddtree_runtime.sglang_plugin.counterfactual_hook import build_scoring
+
+                scoring = (
+                    build_scoring(self, model_name=getattr(self, "_ddtree_scoring_model", None)) or False
+                )
+            self._ddtree_scoring = scoring  # False: decided, off
+        return scoring or None
+
+    def ddtree_counterfactual_flush(self) -> None:
+        """The scheduler is idle: publish the counters (``counterfactual_hook.flush_on_idle``)."""
+        if getattr(self, "_ddtree_scoring", None):
+            self._ddtree_scoring.flush()
 
     def _tree_decode(self, batch: Any, on_publish: Any) -> Any:
         from sglang.srt.managers.utils import GenerationBatchResult
@@ -178,7 +218,7 @@ class DDTreeWorker(DFlashWorkerV2):
             # Carried over from the previous overlap iteration, possibly made on another stream
             # (as DFlashWorkerV2's decode does).
             batch.seq_lens.record_stream(torch.cuda.current_stream(batch.seq_lens.device))
-        models = self._round_models(batch)
+        models = self._scored_models(batch)
         commit_state = None
         if getattr(self, "_need_mamba_verify_commit", False):
             # GDN hybrid: the accepted node's recurrent state, committed after the walk and the
@@ -202,6 +242,9 @@ class DDTreeWorker(DFlashWorkerV2):
             on_lengths=on_publish,
             graphs=getattr(self, "_round_graphs", None),
         )
+        scoring = getattr(self, "_ddtree_scoring", None)
+        if scoring:
+            scoring.after_tree_round(result.graph_bucket)  # a sampled graph round's draft logits
         next_draft_input = self._make_next_draft_input_decode(
             bonus_tokens=result.bonus_tokens, new_seq_lens=result.new_seq_lens
         )
@@ -238,9 +281,17 @@ class DDTreeWorker(DFlashWorkerV2):
 
         return SGLangRoundModels(self, batch)
 
+    def _scored_models(self, batch: Any) -> Any:
+        """:meth:`_round_models`, the drafter's head output teed to counterfactual scoring on a sampled
+        round."""
+        models = self._round_models(batch)
+        scoring = getattr(self, "_ddtree_scoring", None)
+        return scoring.models(models, int(self.block_size)) if scoring else models
+
     def _observe_hidden(self, hidden: Any) -> None:
         self._ddtree_handshake.observe(hidden)
         self._publish(self._ddtree_handshake.to_dict())
+
 
 def add_tree_logprobs(batch: Any, logits_output: Any, out_tokens: Any, accept_index: Any) -> None:
     """SGLang's own speculative logprobs (``logprob_processor.compute_spec_logprobs``, its EAGLE-tree

@@ -68,6 +68,7 @@ def register_all() -> None:
         return  # registered already in this process
 
     from ddtree_runtime.sglang_plugin.algorithm import DDTreeSpecAlgo
+    from ddtree_runtime.sglang_plugin.counterfactual_hook import register_counterfactual_hooks
     from ddtree_runtime.sglang_plugin.gdn_verify_kernel import register_gdn_verify_hook
     from ddtree_runtime.sglang_plugin.graph_sites import register_graph_hooks
     from ddtree_runtime.sglang_plugin.server_info import register_server_info_hooks
@@ -86,6 +87,7 @@ def register_all() -> None:
     register_gdn_verify_hook()  # off unless SGLANG_DDTREE_GDN_REUSE_PARENT=1
     register_server_info_hooks()
     register_warmup()
+    register_counterfactual_hooks()
     include_in_spec_decode_snapshot(get_spec(ALGORITHM))
     global _registration_complete
     _registration_complete = True

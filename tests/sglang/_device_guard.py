@@ -105,6 +105,10 @@ class GuardedModels:
         self.calls.append("draft_block")
         return to_device(self.models.draft_block(*on_host(args)))
 
+    def draft_hidden(self, *args: Any) -> Any:
+        self.calls.append("draft_hidden")
+        return to_device(self.models.draft_hidden(*on_host(args)))
+
     def target_verify(self, plan: Any, cache_loc: Any, req_pool_indices: Any) -> Any:
         self.calls.append("target_verify")
         out = self.models.target_verify(on_host(plan), on_host(cache_loc), on_host(req_pool_indices))

@@ -103,11 +103,14 @@ class RoundBucket:
         self._accept_graph: Any = None
 
     # --- the two stages, as the graphs hold them --------------------------------------------
+    def _head_logits(self) -> Tensor:
+        n = self.size
+        return self.spec.head(self.depth_hidden.reshape(n * self.horizon, -1)).view(n, self.horizon, -1)
+
     def _plan(self) -> TreeVerifyBatch:
-        cfg, n = self.spec.cfg, self.size
-        logits = self.spec.head(self.depth_hidden.reshape(n * self.horizon, -1)).view(n, self.horizon, -1)
+        cfg = self.spec.cfg
         return plan_tree_verify(
-            logits,
+            self._head_logits(),
             self.root,
             self.prefix,
             cfg.budget,
@@ -165,6 +168,13 @@ class RoundBucket:
             self._plan_out = self._plan()
         assert self._plan_out is not None
         return _plan_view(self._plan_out, b, self.spec.mask_buffer, mask_cells)
+
+    def depth_logits(self, b: int) -> Tensor:
+        """The last plan stage's per-depth draft logits ``[b, L, V]``, recomputed eagerly from the depth rows
+        it staged (the graph keeps them; the logits it computed are not kept): the same head on the same
+        shape, so the same values. For counterfactual scoring on sampled rounds (``counterfactual_hook``);
+        valid until the next round stages its rows (stream order)."""
+        return self._head_logits()[:b]
 
     def accept(
         self, posterior: Tensor, slots: Tensor, stops: tuple[frozenset[int], ...] | None

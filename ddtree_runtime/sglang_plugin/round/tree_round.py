@@ -132,6 +132,9 @@ class RoundOutput:
     accept: TreeAccept
     kv: KVCommit
     draft_context_rows: Tensor  # [b, L+1] flat verify rows the drafter got (first commit_lens rows)
+    # The graph bucket whose plan stage ran this round (round_graphs.RoundBucket), None when eager: what
+    # counterfactual scoring reads the round's draft logits from (counterfactual_hook).
+    graph_bucket: Any = None
 
 
 def check_verify_hidden(hidden: Tensor | None, rows: int, contract: HiddenContract | None) -> None:
@@ -448,4 +451,5 @@ def run_tree_round(
         accept=accept,
         kv=kv,
         draft_context_rows=context_rows,
+        graph_bucket=staged,
     )
