@@ -20,6 +20,11 @@ from typing import Any
 from ddtree_runtime.core.counterfactual import DEFAULT_BUDGETS, DEFAULT_FRACTION
 from ddtree_runtime.core.decoder_settings import MAX_BUDGET
 
+# The SGLang plugin scores no round unless asked: the hook landed in a session without a device, so
+# neither the whole GPU suite with it on nor its cost at the production shape has run yet (issue 41).
+# The GPU suite's tree servers turn it on (DEFAULT_FRACTION); make it the default once both have run.
+PLUGIN_DEFAULT_FRACTION = 0.0
+
 RECORD_ATTR = "_ddtree_cli"
 
 
@@ -32,7 +37,7 @@ class DDTreeArgs:
     allow_hybrid: bool = False
     # Counterfactual acceptance (docs/counterfactual-acceptance.md): checked at resolution
     # (core/counterfactual.CounterfactualSettings.resolve), where the drafter's horizon is known.
-    counterfactual_fraction: float = DEFAULT_FRACTION
+    counterfactual_fraction: float = PLUGIN_DEFAULT_FRACTION
     counterfactual_budgets: str = DEFAULT_BUDGETS
 
     def to_dict(self) -> dict[str, Any]:
@@ -87,11 +92,12 @@ def add_ddtree_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--speculative-ddtree-counterfactual-fraction",
         type=_fraction,
-        default=DEFAULT_FRACTION,
+        default=PLUGIN_DEFAULT_FRACTION,
         help="DDTREE only. Fraction of greedy decode rounds on which every budget of "
         "--speculative-ddtree-counterfactual-budgets is scored against the real output "
         "(sglang:ddtree_counterfactual_* on /metrics with --enable-metrics, read by `ddtree tune`); "
-        f"0 turns scoring off. Default {DEFAULT_FRACTION}.",
+        f"0 turns scoring off. Default {PLUGIN_DEFAULT_FRACTION} (off) for now; {DEFAULT_FRACTION} "
+        "is what `ddtree tune` is sized for (one greedy round in 20).",
     )
     group.add_argument(
         "--speculative-ddtree-counterfactual-budgets",
@@ -118,7 +124,7 @@ def capture_ddtree_arguments(record: Any, namespace: argparse.Namespace) -> DDTr
         topk_cap=getattr(namespace, "speculative_ddtree_topk_cap", None),
         allow_hybrid=bool(getattr(namespace, "speculative_ddtree_allow_hybrid", False)),
         counterfactual_fraction=getattr(
-            namespace, "speculative_ddtree_counterfactual_fraction", DEFAULT_FRACTION
+            namespace, "speculative_ddtree_counterfactual_fraction", PLUGIN_DEFAULT_FRACTION
         ),
         counterfactual_budgets=str(
             getattr(namespace, "speculative_ddtree_counterfactual_budgets", DEFAULT_BUDGETS)

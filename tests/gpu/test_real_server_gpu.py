@@ -74,14 +74,19 @@ def servers():
     from ddtree_sglang_gpu_lab.cases import Spec, start_all
 
     fault = os.environ.get("DDTREE_GPU_SUITE_FAULT")
-    # Every speculative server counts the host syncs inside its decode forwards (lab only); the tree
-    # servers also check the widths on the loaded models (off by default until this suite has run it).
-    env = {"DDTREE_LAB_SYNC_WATCH": "1", "SGLANG_DDTREE_LOADED_WIDTH_CHECK": "1",
-           **({"DDTREE_LAB_FAULT": fault} if fault else {})}  # fmt: skip
+    # Every speculative server counts the host syncs inside its decode forwards (lab only). The tree
+    # servers also run what landed off by default until this suite has run it (DDTREE_GPU_SUITE_NEW=0
+    # leaves them off): the width check on the loaded models, the GDN verify that keeps a parent's
+    # state in registers, and counterfactual scoring on 5 % of greedy rounds.
+    new = os.environ.get("DDTREE_GPU_SUITE_NEW", "1") == "1"
+    switches = {"SGLANG_DDTREE_LOADED_WIDTH_CHECK": "1", "SGLANG_DDTREE_GDN_REUSE_PARENT": "1"}
+    env = {"DDTREE_LAB_SYNC_WATCH": "1", **({"DDTREE_LAB_FAULT": fault} if fault else {}),
+           **(switches if new else {})}  # fmt: skip
     specs = [Spec(f"{pair}-plain", pair) for pair in ("dense", "hybrid")]
     specs.append(Spec("dense-dflash", "dense", "DFLASH", env={"DDTREE_LAB_SYNC_WATCH": "1"}))
     for name, (pair, budget, page) in CONFIGS.items():
-        over = {"speculative-ddtree-budget": budget}
+        over = {"speculative-ddtree-budget": budget,
+                **({"speculative-ddtree-counterfactual-fraction": 0.05} if new else {})}  # fmt: skip
         extra = ["--page-size", str(page)] if page > 1 else []
         if not OVERLAP:
             extra.append("--disable-overlap-schedule")

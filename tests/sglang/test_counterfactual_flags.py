@@ -11,13 +11,16 @@ from tests.sglang.conftest import ddtree_argv, resolve
 pytestmark = pytest.mark.sglang
 
 
-def test_defaults_are_the_lab_engines_and_reach_the_worker_settings(sglang_plugins, pair):
+def test_defaults_reach_the_worker_settings_with_scoring_off_until_the_gpu_has_run_it(sglang_plugins, pair):
     from ddtree_runtime.core.counterfactual import Candidate
 
     record, _ = resolve(ddtree_argv(*pair))
     cf = record._ddtree_resolved.counterfactual
-    assert cf.fraction == 0.05 and cf.enabled
+    assert cf.fraction == 0.0 and not cf.enabled  # cli_args.PLUGIN_DEFAULT_FRACTION
     assert cf.budgets == "8,16,32,64,chain"
+    record, _ = resolve(ddtree_argv(*pair, "--speculative-ddtree-counterfactual-fraction", "0.05"))
+    cf = record._ddtree_resolved.counterfactual
+    assert cf.fraction == 0.05 and cf.enabled
     horizon = record._ddtree_resolved.decoder.horizon
     assert cf.candidates == (Candidate(8), Candidate(16), Candidate(32), Candidate(64), Candidate(horizon, 1))
 

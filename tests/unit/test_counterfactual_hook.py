@@ -341,4 +341,6 @@ def test_the_flag_defaults_are_the_lab_engines():
     from ddtree_runtime.tiny_engine import server_args
 
     assert cli_args.DEFAULT_FRACTION == server_args.DEFAULT_COUNTERFACTUAL_FRACTION
+    # the plugin scores nothing unless asked until the GPU suite and the cost at 27B have run it
+    assert cli_args.PLUGIN_DEFAULT_FRACTION == 0.0
     assert cli_args.DEFAULT_BUDGETS == server_args.DEFAULT_COUNTERFACTUAL_BUDGETS
