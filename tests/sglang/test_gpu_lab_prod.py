@@ -86,6 +86,17 @@ def test_prod_specs_name_the_shape_and_the_eager_round():
     assert cases.prod_spec("dflash-dense8b-eager").algorithm == "DFLASH"
 
 
+def test_prod_switches_come_in_any_order_and_unknown_ones_are_refused():
+    spec = cases.prod_spec("ddtree15-fp32-cf-reuse")
+    assert spec.env == {"SGLANG_DDTREE_GDN_REUSE_PARENT": "1"}
+    assert spec.overrides["speculative-ddtree-counterfactual-fraction"] == 0.05
+    assert spec.overrides["mamba-ssm-dtype"] == "float32" and spec.overrides["mem-fraction-static"] == 0.88
+    plain = cases.prod_spec("ddtree15-bf16-reuse")
+    assert "speculative-ddtree-counterfactual-fraction" not in plain.overrides
+    with pytest.raises(ValueError, match="unknown switch -fast"):
+        cases.prod_spec("ddtree15-fp32-fast")
+
+
 def test_prod_specs_name_the_decoder_and_the_ssm_dtype():
     spec = cases.prod_spec("ddtree32-bf16")
     assert spec.algorithm == "DDTREE" and spec.overrides["speculative-ddtree-budget"] == 32

@@ -282,13 +282,24 @@ PROD_PROFILE_LEVELS = (1, 8)  # issue 33: where a verify's time goes at batch 1 
 def prod_spec(word: str) -> Spec:
     """``dflash-fp32``, ``ddtree16-bf16``, ``plain-fp32``: decoder (budget), then the SSM state dtype of
     the 27B hybrid shape; ``dflash-dense8b``, ``ddtree15-dense8b``: the dense Qwen3-8B shape (no SSM
-    state); ``ddtree16base-fp32``: the packed baseline plugin (pack.py --baseline REF); a decoder word
-    ending ``-eager`` runs the tree round without its CUDA graphs (SGLANG_DDTREE_ROUND_GRAPHS=0)."""
+    state); ``ddtree16base-fp32``: the packed baseline plugin (pack.py --baseline REF). Switches after
+    the shape, in any order: ``-eager`` runs the tree round without its CUDA graphs
+    (SGLANG_DDTREE_ROUND_GRAPHS=0), ``-reuse`` the GDN verify that keeps a parent's state in registers
+    (SGLANG_DDTREE_GDN_REUSE_PARENT=1), ``-cf`` counterfactual scoring on 5 % of greedy rounds (its
+    cost against the same word without it)."""
     decoder, _, shape = word.partition("-")
     env: dict[str, str] = {}
-    if shape.endswith("-eager"):
-        shape = shape[: -len("-eager")]
-        env["SGLANG_DDTREE_ROUND_GRAPHS"] = "0"
+    overrides: dict[str, Any] = {}
+    shape, *switches = shape.split("-")
+    for switch in switches:
+        if switch == "eager":
+            env["SGLANG_DDTREE_ROUND_GRAPHS"] = "0"
+        elif switch == "reuse":
+            env["SGLANG_DDTREE_GDN_REUSE_PARENT"] = "1"
+        elif switch == "cf":
+            overrides["speculative-ddtree-counterfactual-fraction"] = 0.05
+        else:
+            raise ValueError(f"{word!r}: unknown switch -{switch} (eager, reuse or cf)")
     if decoder.endswith("base"):
         decoder = decoder[: -len("base")]
         base = baseline_env()
@@ -297,7 +308,7 @@ def prod_spec(word: str) -> Spec:
         env = {**env, **base}
     # The lab's 0.5 leaves room for several servers; one production-shape server at a time takes the
     # profile's.
-    overrides: dict[str, Any] = {"mem-fraction-static": 0.88}
+    overrides["mem-fraction-static"] = 0.88
     pair = "prod8b" if shape == "dense8b" else "prod"
     if pair == "prod":
         dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(shape)
