@@ -114,7 +114,10 @@ class DDTreeWorker(DFlashWorkerV2):
             # with them every Triton kernel the round launches, compiled now (round_graphs).
             from ddtree_runtime.sglang_plugin.round.round_graphs import round_graphs_for_worker
 
-            self._round_graphs = round_graphs_for_worker(self, self._round_config())
+            cfg = self._round_config()
+            if cfg.depth_first:
+                logger.info("DDTREE: verify rows depth first (GDN parents' states kept in registers).")
+            self._round_graphs = round_graphs_for_worker(self, cfg)
         # Counterfactual scoring, built (and its candidates' tree builds compiled) before the server says
         # ready, not at the first decode round under traffic (counterfactual_hook.build_scoring).
         self._counterfactual()
@@ -266,6 +269,7 @@ class DDTreeWorker(DFlashWorkerV2):
         )
 
     def _round_config(self) -> Any:
+        from ddtree_runtime.sglang_plugin.gdn_verify_kernel import reuse_parent_on
         from ddtree_runtime.sglang_plugin.round.tree_round import RoundConfig
 
         runner = self.target_worker.model_runner
@@ -273,6 +277,7 @@ class DDTreeWorker(DFlashWorkerV2):
             self.ddtree_settings.decoder,
             mask_token_id=int(self._mask_token_id),
             page_size=int(runner.token_to_kv_pool_allocator.page_size),
+            depth_first=reuse_parent_on(),  # the rows the parent reuse keeps in registers
         )
 
     def _round_models(self, batch: Any) -> Any:

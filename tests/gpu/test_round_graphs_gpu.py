@@ -75,9 +75,9 @@ def _posterior_following(plan, b: int, rows: int, gen: torch.Generator) -> torch
     return post.reshape(-1)
 
 
-@pytest.mark.parametrize("budget", [15, 16, 32])
-def test_replayed_buckets_match_the_same_stages_run_eagerly(budget):
-    cfg = RoundConfig(budget=budget, block_size=16, mask_token_id=0, page_size=1)
+@pytest.mark.parametrize(("budget", "depth_first"), [(15, False), (16, False), (32, False), (15, True)])
+def test_replayed_buckets_match_the_same_stages_run_eagerly(budget, depth_first):
+    cfg = RoundConfig(budget=budget, block_size=16, mask_token_id=0, page_size=1, depth_first=depth_first)
     sizes = [1, 2, 4, 8]
     graphed = _graphs(cfg, capture=True, sizes=sizes)
     compiled = _compiled_kernels()

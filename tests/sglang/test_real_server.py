@@ -415,3 +415,21 @@ def test_a_drafter_for_another_target_by_hub_id_fails_the_start_with_the_reason(
         server.stop()
     assert "drafter fc expects [N, 192] but the target captures [N, 128]" in str(failed.value)
     assert "2 target layers x 64" in str(failed.value)
+
+
+def test_rows_depth_first_are_token_identical(models: Path, reference: dict,
+                                               tmp_path_factory: pytest.TempPathFactory) -> None:  # fmt: skip
+    """SGLANG_DDTREE_GDN_REUSE_PARENT=1 verifies every tree's rows depth first (the order in which a GDN
+    verify keeps a parent's state in registers; that kernel itself runs on CUDA only): the same tokens
+    as the plain server, the batch at once."""
+    env = {"SGLANG_DDTREE_GDN_REUSE_PARENT": "1"}
+    with RealServer(models / "target", models / "draft", env=env,
+                    log_dir=tmp_path_factory.mktemp("depth-first")) as server:  # fmt: skip
+        ready = server.wait_ready()
+        answers = server.generate(PROMPTS, NEW_TOKENS)
+        assert "DDTREE: verify rows depth first" in server.log  # the switch reached the scheduler's round
+    for prompt, answer in zip(PROMPTS, answers, strict=True):
+        assert answer["output_ids"] == reference[prompt][:NEW_TOKENS], prompt
+    figures = figures_of(answers)
+    assert figures["accept_length"] > 1.5, figures  # trees accepted, not only the bonus token
+    report("depth_first", ready_seconds=ready, **figures)

@@ -41,11 +41,13 @@ def _graphs(cfg, kv, *, sizes, vocab, max_bs=8):
     return graphs
 
 
-def _decode(prompts, n_tokens, *, graphs_sizes=None, stop=None, page_size=1, temperatures=None):
+def _decode(
+    prompts, n_tokens, *, graphs_sizes=None, stop=None, page_size=1, temperatures=None, depth_first=False
+):
     """Decode every prompt to ``n_tokens`` with the tree round, eagerly or through bucket stages;
     the batch shrinks as requests finish (so it moves between buckets)."""
     target, models, rows, _allocated, _allocator, _start, bonus, cfg, kv = _setup(
-        prompts, page_size=page_size
+        prompts, page_size=page_size, depth_first=depth_first
     )
     graphs = None
     if graphs_sizes is not None:
@@ -81,12 +83,12 @@ def _decode(prompts, n_tokens, *, graphs_sizes=None, stop=None, page_size=1, tem
 PROMPTS = [[1, 4, 2], [5, 3, 3, 7, 0, 9, 2], [8, 1, 6, 6, 2, 0, 4, 10, 3, 5, 7, 1]]
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_bucket_stages_emit_the_targets_greedy_tokens_as_the_eager_round_does(page_size):
+@pytest.mark.parametrize(("page_size", "depth_first"), [(1, False), (16, False), (1, True)])
+def test_bucket_stages_emit_the_targets_greedy_tokens_as_the_eager_round_does(page_size, depth_first):
     # 3 requests run in bucket 4 (one padded row), then 2 in bucket 2, then 1 in bucket 1
-    eager, *_ = _decode(PROMPTS, 24, page_size=page_size)
+    eager, *_ = _decode(PROMPTS, 24, page_size=page_size, depth_first=depth_first)
     staged, models, rows, lens, staged_rounds = _decode(
-        PROMPTS, 24, graphs_sizes=[1, 2, 4], page_size=page_size
+        PROMPTS, 24, graphs_sizes=[1, 2, 4], page_size=page_size, depth_first=depth_first
     )
     assert staged_rounds > 0
     assert staged == eager

@@ -161,7 +161,7 @@ def test_accepted_moves_are_fixed_shape_and_move_only_displaced_nodes():
     assert src.view(3, 4).tolist() == [[0, 102, 105, 0], [0, 0, 0, 0], [0, 0, 119, 120]]
 
 
-def _setup(prompts, *, page_size=1, noise=1.5, target_seed=0, rounds_room=64):
+def _setup(prompts, *, page_size=1, noise=1.5, target_seed=0, rounds_room=64, depth_first=False):
     target = ToyTarget(seed=target_seed)
     req_pool, allocator, kv, draft_kv = make_pools(
         page_size=page_size,
@@ -178,13 +178,15 @@ def _setup(prompts, *, page_size=1, noise=1.5, target_seed=0, rounds_room=64):
     )
     models = ToyModels(target, req_pool.req_to_token, kv, draft_kv, noise=noise)
     bonus = [models.prefill(row, p) for row, p in zip(rows, prompts, strict=True)]
-    cfg = RoundConfig(budget=BUDGET, block_size=BLOCK, mask_token_id=11, page_size=page_size)
+    cfg = RoundConfig(
+        budget=BUDGET, block_size=BLOCK, mask_token_id=11, page_size=page_size, depth_first=depth_first
+    )
     return target, models, rows, allocated, allocator, start, bonus, cfg, kv
 
 
-def _decode(prompts, n_tokens, *, page_size=1, stop=None, temperatures=None, noise=1.5):
+def _decode(prompts, n_tokens, *, page_size=1, stop=None, temperatures=None, noise=1.5, depth_first=False):
     _target, models, rows, allocated, allocator, start, bonus, cfg, kv = _setup(
-        prompts, page_size=page_size, noise=noise
+        prompts, page_size=page_size, noise=noise, depth_first=depth_first
     )
     r2t = models.req_to_token
     out = [[b] for b in bonus]
@@ -212,10 +214,19 @@ def _decode(prompts, n_tokens, *, page_size=1, stop=None, temperatures=None, noi
     return out, rounds, models, (allocator, start, rows, allocated), prefix
 
 
+@pytest.mark.parametrize("depth_first", [False, True], ids=["heap", "depth_first"])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_tree_rounds_reproduce_target_greedy_for_a_mixed_batch(page_size):
+def test_tree_rounds_reproduce_target_greedy_for_a_mixed_batch(page_size, depth_first):
     prompts = [[1, 4, 2], [5, 3, 3, 7, 0, 9, 2], [8, 1, 6, 6, 2, 0, 4, 10, 3, 5, 7, 1]]
-    out, rounds, models, (allocator, start, rows, allocated), lens = _decode(prompts, 24, page_size=page_size)
+    out, rounds, models, (allocator, start, rows, allocated), lens = _decode(
+        prompts, 24, page_size=page_size, depth_first=depth_first
+    )
+    if depth_first:  # the rows really were reordered: every first child right after its parent
+        from ddtree_runtime.core.tree_order import depth_first_order
+
+        for _, res in rounds:
+            parents = res.plan.tree.parents
+            assert torch.equal(depth_first_order(parents), torch.arange(parents.shape[1]).expand_as(parents))
     target = models.target
     for p, got in zip(prompts, out, strict=True):
         want = target.reference_greedy(p, len(got))
@@ -291,11 +302,14 @@ def test_truncate_at_stop_keeps_requests_without_a_stop():
     assert torch.equal(cut.emitted[1], walk.emitted[1]) and torch.equal(cut.accepted[1], walk.accepted[1])
 
 
-def test_sampled_rounds_commit_consistent_kv_and_tokens():
+@pytest.mark.parametrize("depth_first", [False, True], ids=["heap", "depth_first"])
+def test_sampled_rounds_commit_consistent_kv_and_tokens(depth_first):
     """T > 0 walks through walk_sample; whatever is sampled, the committed KV must read back the
     emitted sequence (the losslessness of walk_sample itself is tested in tests/unit)."""
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
-    out, _rounds, models, (_, _, rows, _), _lens = _decode(prompts, 16, temperatures=[0.8, 0.0])
+    out, _rounds, models, (_, _, rows, _), _lens = _decode(
+        prompts, 16, temperatures=[0.8, 0.0], depth_first=depth_first
+    )
     target = models.target
     assert out[1] == target.reference_greedy(prompts[1], len(out[1]))  # the T = 0 row stays greedy
     for r, (p, got) in enumerate(zip(prompts, out, strict=True)):

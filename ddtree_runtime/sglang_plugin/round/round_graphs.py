@@ -116,6 +116,7 @@ class RoundBucket:
             cfg.budget,
             topk_cap=cfg.topk_cap,
             mask_buffer=self.spec.mask_buffer,
+            depth_first=cfg.depth_first,
         )
 
     def _accept(self) -> RoundAccept:

@@ -87,15 +87,18 @@ class RoundConfig:
     page_size: int = 1
     topk_cap: int | None = None
     window: int | None = None  # rows written per round; default max(budget + 1, block_size)
+    # Verify rows depth first (each first child right after its parent) instead of the heap order: what
+    # lets a GDN verify keep the parent's state in registers (gdn_verify_kernel). Same tokens either way.
+    depth_first: bool = False
 
     @classmethod
     def from_settings(
-        cls, settings: DecoderSettings, *, mask_token_id: int, page_size: int = 1
+        cls, settings: DecoderSettings, *, mask_token_id: int, page_size: int = 1, depth_first: bool = False
     ) -> RoundConfig:
         """The round's configuration from the decoder's settings (``core/decoder_settings.py``): the one
         place the worker builds it."""
         return cls(settings.budget, settings.block_size, mask_token_id, page_size, settings.topk_cap,
-                   settings.kv_window)  # fmt: skip
+                   settings.kv_window, depth_first)  # fmt: skip
 
     @property
     def verify_rows(self) -> int:
@@ -393,6 +396,7 @@ def run_tree_round(
             cfg.budget,
             topk_cap=cfg.topk_cap,
             mask_cells=inp.mask_cells,
+            depth_first=cfg.depth_first,
         )
 
     # 3) target verify + hidden guard

@@ -32,6 +32,7 @@ from ddtree_runtime.core.tree import (
     walk_posterior,
     write_tree_mask_cells,
 )
+from ddtree_runtime.core.tree_order import depth_first_order, reorder_tree
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ def plan_tree_verify(
     topk_cap: int | None = None,
     mask_cells: int | None = None,
     mask_buffer: Tensor | None = None,
+    depth_first: bool = False,
 ) -> TreeVerifyBatch:
     """Build each request's tree and the verify inputs SGLang's target forward takes, from the
     per-depth logits ``[b, L, V]`` or their top-K and logsumexp (``DraftTopK [b, L, K]``).
@@ -100,11 +102,17 @@ def plan_tree_verify(
     ``mask_buffer``: the target backend's own verify-mask buffer (a fixed address): only the tree
     cells are written into it, in place (``write_tree_mask_cells``; the Triton verify never reads
     the prefix cells), and ``custom_mask`` is the buffer's first ``mask_cells`` cells (the whole
-    buffer without a bound). What the round's CUDA graphs use (``round_graphs``)."""
+    buffer without a bound). What the round's CUDA graphs use (``round_graphs``).
+
+    ``depth_first``: the verify rows in depth-first order (``core/tree_order``), each first child right
+    after its parent, for a GDN verify that keeps that parent's state in registers; the walk, the
+    commit and the drafter's context follow the rows, so the tokens are the same."""
     if isinstance(draft_logits, DraftTopK):
         tree = build_tree_from_topk(draft_logits, budget, topk_cap=topk_cap)
     else:
         tree = build_tree(draft_logits, budget, topk_cap=topk_cap)
+    if depth_first:
+        tree = reorder_tree(tree, depth_first_order(tree.parents, tree.horizon))
     inputs = compile_tree(tree, root_tokens, prefix_lens)
     if mask_buffer is not None:
         write_tree_mask_cells(inputs, prefix_lens, mask_buffer)
