@@ -18,7 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
-from ddtree_runtime.core.kernels import build, topk, walk
+from ddtree_runtime.core.kernels import build, gdn_tree_recurrent, topk, walk
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -127,6 +127,23 @@ def main() -> int:
     btypes = {n: p64 for n in ("ids_ptr", "tokens_ptr", "depths_ptr", "parents_ptr", "ranks_ptr")}
     btypes |= {"lp_ptr": pf, "scores_ptr": pf}
     check(build._build_kernel, btypes, {"F": 64, "BP": 64}, 1)
+    # The GDN tree verify at Qwen3.6-27B's heads (48 value, 16 query/key, dim 128), the launch SGLang picks
+    # on sm_90 (BV 4, one warp), fp32 and bf16 scratch, with and without the parent reuse.
+    pbf = "*bf16"
+    for scratch in (pf, pbf):
+        gtypes = {
+            "A_log": pf, "a": pbf, "dt_bias": pf, "softplus_beta": "fp32", "softplus_threshold": "fp32",
+            "q": pbf, "k": pbf, "v": pbf, "b": pbf, "o": pbf, "h0_source": scratch, "h0_indices": pi32,
+            "stride_h0_source": "i64", "cu_seqlens": pi32, "intermediate_states_buffer": scratch,
+            "intermediate_state_indices": pi32, "retrieve_parent_token_ptr": pi32, "scale": "fp32",
+        }  # fmt: skip
+        for reuse in (False, True):
+            gconsts = {
+                "stride_retrieve_parent_token_seq": 16, "stride_retrieve_parent_token_token": 1, "NP2_T": 16,
+                "H": 16, "HV": 48, "K": 128, "V": 128, "BK": 128, "BV": 4, "USE_QK_L2NORM_IN_KERNEL": True,
+                "SPLIT_N_HV_GRID": True, "REUSE_PARENT": reuse, "USE_GDC": True,
+            }  # fmt: skip
+            check(gdn_tree_recurrent._gdn_tree_verify_kernel, gtypes, gconsts, 1)
     return 0
 
 

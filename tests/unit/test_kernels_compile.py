@@ -30,6 +30,7 @@ def test_kernels_compile_for_sm90(tmp_path):
     )
     assert res.returncode == 0, res.stdout + res.stderr
     assert res.stdout.count("ok ") >= 14, res.stdout
+    assert res.stdout.count("ok _gdn_tree_verify_kernel ") == 4, res.stdout  # fp32/bf16 x reuse off/on
     # The streaming top-K kernel must not spill (it did at 255 registers + 464 stack bytes, and ran
     # at 2 programs per multiprocessor): 128 registers keep 4 programs of 4 warps resident.
     for line in res.stdout.splitlines():

@@ -123,12 +123,15 @@ def _gdn_tree_verify_kernel(
     for _ in range(0, T):
         if step_idx != 0 and cache_idx >= 0:
             parent_step_idx = tl.sum(tl.where(token_indices == step_idx, parent_idx_tokens, 0))
-            if REUSE_PARENT and parent_step_idx == step_idx - 1:
-                # The previous row's state, as the scratch holds it (the reload would read this).
-                b_h = b_h.to(intermediate_states_buffer.dtype.element_ty).to(tl.float32)
+            parent_ptr = cache_base + parent_step_idx * HV * K * V + cache_cell
+            if REUSE_PARENT:  # a compile-time branch; the runtime test inside it is per program
+                if parent_step_idx == step_idx - 1:
+                    # The previous row's state, as the scratch holds it (the reload would read this).
+                    b_h = b_h.to(intermediate_states_buffer.dtype.element_ty).to(tl.float32)
+                else:
+                    b_h = tl.load(parent_ptr, mask=mask_h, other=0).to(tl.float32)
             else:
-                cache_ptr = cache_base + parent_step_idx * HV * K * V + cache_cell
-                b_h = tl.load(cache_ptr, mask=mask_h, other=0).to(tl.float32)
+                b_h = tl.load(parent_ptr, mask=mask_h, other=0).to(tl.float32)
 
         b_q = tl.load(p_q, mask=mask_k, other=0).to(tl.float32)
         b_k = tl.load(p_k, mask=mask_k, other=0).to(tl.float32)
