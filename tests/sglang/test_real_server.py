@@ -421,13 +421,16 @@ def test_rows_depth_first_are_token_identical(models: Path, reference: dict,
                                                tmp_path_factory: pytest.TempPathFactory) -> None:  # fmt: skip
     """SGLANG_DDTREE_GDN_REUSE_PARENT=1 verifies every tree's rows depth first (the order in which a GDN
     verify keeps a parent's state in registers; that kernel itself runs on CUDA only): the same tokens
-    as the plain server, the batch at once."""
-    env = {"SGLANG_DDTREE_GDN_REUSE_PARENT": "1"}
+    as the plain server, the batch at once. The same server checks its widths on the loaded models too
+    (SGLANG_DDTREE_LOADED_WIDTH_CHECK=1: a second check beside the files' for local directories)."""
+    env = {"SGLANG_DDTREE_GDN_REUSE_PARENT": "1", "SGLANG_DDTREE_LOADED_WIDTH_CHECK": "1"}
     with RealServer(models / "target", models / "draft", env=env,
                     log_dir=tmp_path_factory.mktemp("depth-first")) as server:  # fmt: skip
         ready = server.wait_ready()
         answers = server.generate(PROMPTS, NEW_TOKENS)
         assert "DDTREE: verify rows depth first" in server.log  # the switch reached the scheduler's round
+        status, info = server.request("/server_info")
+        assert status == 200 and info["ddtree_handshake"]["status"] == "ok", info["ddtree_handshake"]
     for prompt, answer in zip(PROMPTS, answers, strict=True):
         assert answer["output_ids"] == reference[prompt][:NEW_TOKENS], prompt
     figures = figures_of(answers)
