@@ -379,24 +379,32 @@ def hub_cache(models: Path, home: Path) -> dict[str, str]:
             "SGLANG_DDTREE_LOADED_WIDTH_CHECK": "1"}  # fmt: skip
 
 
-def test_a_server_started_with_hub_ids_checks_and_publishes_the_width(
+def test_a_hub_id_server_checks_its_widths_and_with_rows_depth_first_is_token_identical(
     models: Path, reference: dict, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    env = hub_cache(models, tmp_path_factory.mktemp("hf-home"))
+    """Hub ids (no local directories: the width comes from the loaded models,
+    SGLANG_DDTREE_LOADED_WIDTH_CHECK) and SGLANG_DDTREE_GDN_REUSE_PARENT=1 (every tree's rows depth
+    first, the order in which a GDN verify keeps a parent's state in registers; that kernel itself runs
+    on CUDA only), both off by default until the GPU suite has run them: the same tokens as the plain
+    server, the batch at once."""
+    env = {**hub_cache(models, tmp_path_factory.mktemp("hf-home")), "SGLANG_DDTREE_GDN_REUSE_PARENT": "1"}
     with RealServer(Path("lab/tiny-target"), Path("lab/tiny-draft"), env=env,
                     log_dir=tmp_path_factory.mktemp("hub-ids")) as server:  # fmt: skip
         ready = server.wait_ready()
-        answers = server.generate(PROMPTS[:2], NEW_TOKENS)
-        for prompt, answer in zip(PROMPTS[:2], answers, strict=True):
-            assert answer["output_ids"] == reference[prompt][:NEW_TOKENS], prompt
+        answers = server.generate(PROMPTS, NEW_TOKENS)
         status, info = server.request("/server_info")
+        assert "DDTREE: verify rows depth first" in server.log  # the switch reached the scheduler's round
+    for prompt, answer in zip(PROMPTS, answers, strict=True):
+        assert answer["output_ids"] == reference[prompt][:NEW_TOKENS], prompt
+    figures = figures_of(answers)
+    assert figures["accept_length"] > 1.5, figures  # trees accepted, not only the bonus token
     assert status == 200 and info["model_path"] == "lab/tiny-target"
     hs = info["ddtree_handshake"]
     # The width comes from the loaded models (no files to read): 2 target layers x 64, checked each forward.
     assert hs["target_layer_ids"] == [1, 2] and hs["target_hidden_size"] == 64, hs
     assert hs["expected_hidden_width"] == hs["draft_fc_in_features"] == hs["observed_hidden_width"] == 128, hs
     assert hs["status"] == "ok", hs
-    report("hub_ids", ready_seconds=ready)
+    report("hub_ids_depth_first", ready_seconds=ready, **figures)
 
 
 def test_a_drafter_for_another_target_by_hub_id_fails_the_start_with_the_reason(
@@ -416,23 +424,3 @@ def test_a_drafter_for_another_target_by_hub_id_fails_the_start_with_the_reason(
     assert "drafter fc expects [N, 192] but the target captures [N, 128]" in str(failed.value)
     assert "2 target layers x 64" in str(failed.value)
 
-
-def test_rows_depth_first_are_token_identical(models: Path, reference: dict,
-                                               tmp_path_factory: pytest.TempPathFactory) -> None:  # fmt: skip
-    """SGLANG_DDTREE_GDN_REUSE_PARENT=1 verifies every tree's rows depth first (the order in which a GDN
-    verify keeps a parent's state in registers; that kernel itself runs on CUDA only): the same tokens
-    as the plain server, the batch at once. The same server checks its widths on the loaded models too
-    (SGLANG_DDTREE_LOADED_WIDTH_CHECK=1: a second check beside the files' for local directories)."""
-    env = {"SGLANG_DDTREE_GDN_REUSE_PARENT": "1", "SGLANG_DDTREE_LOADED_WIDTH_CHECK": "1"}
-    with RealServer(models / "target", models / "draft", env=env,
-                    log_dir=tmp_path_factory.mktemp("depth-first")) as server:  # fmt: skip
-        ready = server.wait_ready()
-        answers = server.generate(PROMPTS, NEW_TOKENS)
-        assert "DDTREE: verify rows depth first" in server.log  # the switch reached the scheduler's round
-        status, info = server.request("/server_info")
-        assert status == 200 and info["ddtree_handshake"]["status"] == "ok", info["ddtree_handshake"]
-    for prompt, answer in zip(PROMPTS, answers, strict=True):
-        assert answer["output_ids"] == reference[prompt][:NEW_TOKENS], prompt
-    figures = figures_of(answers)
-    assert figures["accept_length"] > 1.5, figures  # trees accepted, not only the bonus token
-    report("depth_first", ready_seconds=ready, **figures)
