@@ -44,13 +44,8 @@ pytestmark = [
     ),
 ]
 
-PROMPTS = [
-    "the cat sees a", "under the old tree", "morning rain and", "the fox carries a small stone",
-    "quiet evening", "a bird sings while the river", "The capital of France is",
-    "<|im_start|>user\nthe old fox watches<|im_end|>\n<|im_start|>assistant\n",
-    "the small bird sings while the wind", "a dog finds the", "the river and the stone", "the old house",
-    "slow light over the garden", "the fox follows a", "green road near the", "evening song of the",
-]  # fmt: skip
+from tests.gpu.test_real_server_gpu import PROMPTS  # noqa: E402 (the suite's prompts, one list)
+
 NEW_TOKENS = 160
 BLOCK = 16  # the lab drafters' block
 HORIZON = BLOCK - 1

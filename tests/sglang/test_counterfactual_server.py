@@ -30,18 +30,11 @@ import pytest
 
 from ddtree_runtime.health.counterfactual_counters import estimates, parse_metrics, read_counters
 from tests.sglang._real_server import RealServer
+from tests.sglang.test_real_server import PROMPTS  # the CPU server's prompts, one list
 from tests.unit._tiny_engine import lab_models
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
-PROMPTS = [
-    "The capital of France is",
-    "the cat sees",
-    "a dog finds the",
-    "the river and the stone",
-    "<|im_start|>user\nthe old fox watches<|im_end|>\n<|im_start|>assistant\n",
-    "the small bird sings while the wind",
-]
 NEW_TOKENS = 96
 BLOCK = 16  # the lab drafter's block
 HORIZON = BLOCK - 1
