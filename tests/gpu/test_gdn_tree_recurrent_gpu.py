@@ -5,7 +5,14 @@ plugin's hook (``sglang_plugin.gdn_verify_kernel.plugin_target_verify``) with SG
 
 from __future__ import annotations
 
+import sys
+
 import pytest
+
+# Importing SGLang imports transformers, which loads torchvision when it is installed; the device image's
+# torchvision aborted this process when its C extension loaded (H100, 2026-12-05, after the
+# counterfactual servers ran). The kernels need neither: hide it (find_spec then answers None).
+sys.modules.setdefault("torchvision", None)  # type: ignore[arg-type]
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")

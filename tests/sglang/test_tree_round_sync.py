@@ -82,8 +82,12 @@ def _decode(worker, rows, bonus, prompts, rounds, *, sampling=None, calls=None):
     return out
 
 
+@pytest.mark.parametrize("depth_first", [False, True], ids=["heap", "depth-first"])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_greedy_tree_decode_reads_nothing_back_and_stays_lossless(page_size):
+def test_greedy_tree_decode_reads_nothing_back_and_stays_lossless(page_size, depth_first, monkeypatch):
+    from ddtree_runtime.sglang_plugin.gdn_verify_kernel import SWITCH
+
+    monkeypatch.setenv(SWITCH, "1" if depth_first else "0")  # the rows depth first (the parent reuse's)
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7]]
     calls: list[str] = []
     worker, toy, rows, bonus, _ = _guarded_worker(page_size, prompts, calls)
