@@ -5,7 +5,7 @@ materialisation and the CUDA graphs):
 
 * start-up: the hidden-state width check, from the files before loading (``core.contract``), and
   for hub ids (no files to read) from the loaded models (``refusals.worker_start.loaded_contract``,
-  behind ``SGLANG_DDTREE_LOADED_WIDTH_CHECK=1`` until the GPU suite has run it); a mismatch fails
+  for local directories a second check); a mismatch fails
   the start instead of handing the drafter ``[N, 5120]`` where it expects ``[N, 25600]``;
 * after every target forward that captures hidden states for the drafter: the None / shape
   check, and the live handshake (``/server_info``, ``sglang:ddtree_*``);
@@ -45,7 +45,6 @@ from ddtree_runtime.sglang_plugin.refusals.worker_start import (
     check_tree_graphs,
     check_tree_worker_features,
     loaded_contract,
-    loaded_width_check_on,
     startup_contract,
 )
 from ddtree_runtime.sglang_plugin.round.bounds import verify_mask_cells
@@ -79,12 +78,11 @@ class DDTreeWorker(DFlashWorkerV2):
         )
         self._guard_widths(target_worker, contract)
         super().__init__(server_args, gpu_id, nccl_port, target_worker)
-        if loaded_width_check_on():
-            # The contract as SGLang loaded the two models: the one check for hub ids (no files to
-            # read above), a second one for local directories.
-            loaded = loaded_contract(target_worker.model_runner, self.draft_model, settings)
-            if contract is None:
-                self._guard_widths(target_worker, loaded)
+        # The contract as SGLang loaded the two models: the one check for hub ids (no files to
+        # read above), a second one for local directories.
+        loaded = loaded_contract(target_worker.model_runner, self.draft_model, settings)
+        if contract is None:
+            self._guard_widths(target_worker, loaded)
         if not is_chain(settings):
             self._adopt_drafter_block()
 

@@ -75,11 +75,11 @@ def servers():
 
     fault = os.environ.get("DDTREE_GPU_SUITE_FAULT")
     # Every speculative server counts the host syncs inside its decode forwards (lab only). The tree
-    # servers also run what landed off by default until this suite has run it (DDTREE_GPU_SUITE_NEW=0
-    # leaves them off): the width check on the loaded models, the GDN verify that keeps a parent's
-    # state in registers, and counterfactual scoring on 5 % of greedy rounds.
+    # servers also run what is off by default until this suite has run it (DDTREE_GPU_SUITE_NEW=0
+    # leaves them off): the GDN verify that keeps a parent's state in registers (its rows depth
+    # first) and counterfactual scoring on 5 % of greedy rounds.
     new = os.environ.get("DDTREE_GPU_SUITE_NEW", "1") == "1"
-    switches = {"SGLANG_DDTREE_LOADED_WIDTH_CHECK": "1", "SGLANG_DDTREE_GDN_REUSE_PARENT": "1"}
+    switches = {"SGLANG_DDTREE_GDN_REUSE_PARENT": "1"}
     env = {"DDTREE_LAB_SYNC_WATCH": "1", **({"DDTREE_LAB_FAULT": fault} if fault else {}),
            **(switches if new else {})}  # fmt: skip
     specs = [Spec(f"{pair}-plain", pair) for pair in ("dense", "hybrid")]

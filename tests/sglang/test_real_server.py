@@ -375,18 +375,16 @@ def hub_cache(models: Path, home: Path) -> dict[str, str]:
                 (snapshot / file.name).symlink_to(file)
         (repo / "refs").mkdir(exist_ok=True)
         (repo / "refs" / "main").write_text(revision)
-    return {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "SGLANG_DDTREE_LOADED_WIDTH_CHECK": "1"}  # fmt: skip
+    return {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
 def test_a_hub_id_server_checks_its_widths_and_with_rows_depth_first_is_token_identical(
     models: Path, reference: dict, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     """Hub ids (no local directories: the width comes from the loaded models,
-    SGLANG_DDTREE_LOADED_WIDTH_CHECK) and SGLANG_DDTREE_GDN_REUSE_PARENT=1 (every tree's rows depth
-    first, the order in which a GDN verify keeps a parent's state in registers; that kernel itself runs
-    on CUDA only), both off by default until the GPU suite has run them: the same tokens as the plain
-    server, the batch at once."""
+    ``refusals.worker_start.loaded_contract``) and SGLANG_DDTREE_GDN_REUSE_PARENT=1 (every tree's rows
+    depth first, the order in which a GDN verify keeps a parent's state in registers; that kernel
+    itself runs on CUDA only): the same tokens as the plain server, the batch at once."""
     env = {**hub_cache(models, tmp_path_factory.mktemp("hf-home")), "SGLANG_DDTREE_GDN_REUSE_PARENT": "1"}
     with RealServer(Path("lab/tiny-target"), Path("lab/tiny-draft"), env=env,
                     log_dir=tmp_path_factory.mktemp("hub-ids")) as server:  # fmt: skip

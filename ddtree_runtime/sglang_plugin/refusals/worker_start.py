@@ -40,15 +40,6 @@ def check_loaded_widths(target_hidden: int, layer_ids: list[int], fc_in_features
         )
 
 
-# Set to 1 to check hub-id servers' widths on the loaded models. Off by default until the GPU suite
-# has run it (it landed in a session without a device); local directories are checked either way.
-LOADED_WIDTH_SWITCH = "SGLANG_DDTREE_LOADED_WIDTH_CHECK"
-
-
-def loaded_width_check_on() -> bool:
-    return os.environ.get(LOADED_WIDTH_SWITCH, "0") == "1"
-
-
 def loaded_contract(target_runner: Any, draft_model: Any, settings: PluginSettings) -> HiddenContract:
     """The width contract as SGLang loaded it: the layers the target's runner captures for the
     drafter (``spec_aux_config``), the target's hidden size and the drafter's ``fc``. Every server
