@@ -1,0 +1,129 @@
+"""Which verify width pays at each batch size (issue 41, "The width follows the batch"): per captured
+batch size, the width whose expected tokens per second is highest, from each width's expected tokens per
+round (counterfactual acceptance, blended with a prior until enough rounds are scored) over what a round
+of that width costs at that batch size (the server's own price table).
+
+The answer is a host table, batch size -> width, recomputed between rounds from counts the host already
+holds; a round looks its batch size up (the bucket it pads into), so choosing reads nothing from the
+device. A switch needs a margin over the width in place, so noise in the estimates does not flip the
+width every update.
+
+Standard library only: the planner and the operator tools read the same rule.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+DEFAULT_PRIOR_ROUNDS = 200  # a prior counts as this many scored rounds (docs/counterfactual-acceptance.md)
+DEFAULT_MARGIN = 0.02  # a new width must beat the one in place by 2 % of tokens/s
+
+
+class WidthPolicyError(ValueError):
+    """Widths, priors or prices that no choice can be made from; the message says which and why."""
+
+
+def _positive(name: str, value: float) -> float:
+    if not (
+        isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+    ):
+        raise WidthPolicyError(f"{name} = {value!r}: must be a finite number above 0")
+    return float(value)
+
+
+def blended_tokens(prior: float, observed: float | None, rounds: int, prior_rounds: int) -> float:
+    """Expected tokens per round: the prior counted as ``prior_rounds`` rounds, the observed mean over
+    ``rounds`` scored rounds (None or 0 rounds: the prior alone)."""
+    prior = _positive("prior tokens per round", prior)
+    if rounds < 0 or prior_rounds < 0:
+        raise WidthPolicyError(f"rounds {rounds} and prior rounds {prior_rounds} must not be negative")
+    if observed is None or rounds == 0:
+        return prior
+    observed = _positive("observed tokens per round", observed)
+    if prior_rounds == 0:
+        return observed
+    return (prior * prior_rounds + observed * rounds) / (prior_rounds + rounds)
+
+
+def best_width(tokens_per_round: Mapping[str, float], round_seconds: Mapping[str, float]) -> str:
+    """The width with the most tokens per second among those priced (ties: the first in
+    ``tokens_per_round``'s order, which callers give narrowest first)."""
+    priced = [w for w in tokens_per_round if w in round_seconds]
+    if not priced:
+        raise WidthPolicyError(
+            f"no width is both estimated ({sorted(tokens_per_round)}) and priced ({sorted(round_seconds)})"
+        )
+    rate = {w: tokens_per_round[w] / _positive(f"round seconds of {w}", round_seconds[w]) for w in priced}
+    return max(priced, key=lambda w: (rate[w], -priced.index(w)))
+
+
+@dataclass
+class WidthPolicy:
+    """The width per captured batch size. ``widths``: the labels the server can verify, narrowest first;
+    ``priors``: expected tokens per round of each before any is scored (a profile's figures);
+    ``prices``: seconds per round, ``{(width, batch size): s}``, for every captured batch size."""
+
+    widths: tuple[str, ...]
+    priors: Mapping[str, float]
+    prices: Mapping[tuple[str, int], float]
+    prior_rounds: int = DEFAULT_PRIOR_ROUNDS
+    margin: float = DEFAULT_MARGIN
+    table: dict[int, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.widths or len(set(self.widths)) != len(self.widths):
+            raise WidthPolicyError(f"widths {self.widths!r}: give at least one, each once")
+        missing = [w for w in self.widths if w not in self.priors]
+        if missing:
+            raise WidthPolicyError(f"no prior tokens per round for {missing}: give one per width")
+        for w in self.widths:
+            _positive(f"prior tokens per round of {w}", self.priors[w])
+        if not 0 <= self.margin < 1:
+            raise WidthPolicyError(f"margin {self.margin!r}: must be in [0, 1)")
+        sizes = self.batch_sizes()
+        if not sizes:
+            raise WidthPolicyError("the price table holds no batch size")
+        for size in sizes:
+            if not any((w, size) in self.prices for w in self.widths):
+                raise WidthPolicyError(f"batch size {size} has no priced width among {list(self.widths)}")
+        if not self.table:
+            self.update({})
+
+    def batch_sizes(self) -> list[int]:
+        return sorted({size for (_, size) in self.prices})
+
+    def expected_tokens(self, observed: Mapping[str, tuple[float, int]]) -> dict[str, float]:
+        """Per width, the prior blended with ``observed[width] = (tokens per round, rounds scored)``."""
+        return {
+            w: blended_tokens(self.priors[w], *observed.get(w, (None, 0)), self.prior_rounds)
+            for w in self.widths
+        }
+
+    def update(self, observed: Mapping[str, tuple[float, int]]) -> dict[int, str]:
+        """The table from the latest counts; a batch size keeps its width unless another beats it by
+        more than the margin. Returns the new table (also kept)."""
+        tokens = self.expected_tokens(observed)
+        new: dict[int, str] = {}
+        for size in self.batch_sizes():
+            cost = {w: self.prices[(w, size)] for w in self.widths if (w, size) in self.prices}
+            best = best_width(tokens, cost)
+            held = self.table.get(size)
+            if held in cost and best != held:
+                rate = {w: tokens[w] / cost[w] for w in (best, held)}
+                if rate[best] <= rate[held] * (1 + self.margin):
+                    best = held
+            new[size] = best
+        self.table = new
+        return new
+
+    def width_for(self, batch_size: int) -> str:
+        """The width for a round of ``batch_size`` requests: its bucket's (the smallest captured batch
+        size that holds it, as the round's graphs pad it)."""
+        sizes = self.batch_sizes()
+        at = bisect.bisect_left(sizes, batch_size)
+        if batch_size < 1 or at == len(sizes):
+            raise WidthPolicyError(f"batch size {batch_size}: outside the captured sizes 1..{sizes[-1]}")
+        return self.table[sizes[at]]
