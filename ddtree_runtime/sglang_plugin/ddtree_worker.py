@@ -74,6 +74,7 @@ class DDTreeWorker(DFlashWorkerV2):
         # Counterfactual scoring (counterfactual_hook), built once the pools and graphs exist; the counters'
         # model_name label as the lab engine's, None when --enable-metrics is off (scored, not published).
         self._ddtree_scoring: Any = None
+        self._ddtree_prices: Any = None  # the start-up price table (init_cuda_graphs, with the switch on)
         self._ddtree_scoring_model = (
             str(cfg.served_model_name or cfg.model_path) if cfg.enable_metrics else None
         )
@@ -150,7 +151,7 @@ class DDTreeWorker(DFlashWorkerV2):
 
     def ddtree_prices(self) -> dict[str, Any] | None:
         """The start-up price table as ``/server_info`` shows it (``internal_states[i].ddtree_prices``)."""
-        table = getattr(self, "_ddtree_prices", None)
+        table = self.__dict__.get("_ddtree_prices")  # not DFlashWorkerV2's attribute lookup
         return table.to_dict() if table is not None else None
 
     def _adopt_drafter_block(self) -> None:
