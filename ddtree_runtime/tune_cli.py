@@ -21,6 +21,7 @@ import sys
 from typing import Any
 
 from ddtree_runtime.core.decoder_settings import MAX_BLOCK_SIZE, parse_label
+from ddtree_runtime.core.round_prices import PriceTable
 from ddtree_runtime.health import counterfactual_counters as cf
 from ddtree_runtime.health import http_client, sglang_client
 from ddtree_runtime.planner import tune
@@ -107,11 +108,13 @@ def _current(args: argparse.Namespace, server: cf.ServerDecoder | None, horizon:
 
 def _report(args: argparse.Namespace) -> dict[str, Any]:
     server = None
+    prices = None  # the server's own start-up price table (--speculative-ddtree-price-table)
     if args.url:
         base = http_client.check_base_url(args.url)
         text = cf.fetch_metrics(base, timeout=args.timeout)
         _status, info = sglang_client.server_info(base, timeout=args.timeout)
         server = cf.server_decoder(info)
+        prices = sglang_client.server_prices(info)  # BadAnswer (exit 2) when malformed
     else:
         text = read_input(args.metrics_file)
     counts = cf.parse_metrics(text)
@@ -143,25 +146,39 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
     left_out = None
     if current is not None and current in labels:
         left_out = tune.runnable(labels, current=current, horizon=horizon, fit=fit)
+    server_ms = prices.round_ms() if prices is not None and table is None else None
     rec = tune.recommend(settings, concurrency=concurrency, current=current, rounds=counters.rounds_scored,
                          gpu=args.gpu, tp=args.tp, table=table, min_rounds=args.min_rounds,
-                         left_out=left_out)  # fmt: skip
+                         left_out=left_out, server=server_ms)  # fmt: skip
     rec["current_source"] = current_source
     rec["horizon"], rec["horizon_source"] = horizon, horizon_source
     rec["fit"] = ("ddtree plan (--models-json)" if fit
                   else "not planned: no setting that needs more memory than what runs")  # fmt: skip
     rec["concurrency_source"] = concurrency_source
-    if table:
-        rec["cost_model"] = "measured table (--round-ms-json)"
-    elif args.gpu == "H200" and args.tp == 1:
-        rec["cost_model"] = "H200 production-shape figures"
-    else:
-        rec["cost_model"] = f"modelled from the H200 figures by memory bandwidth ({args.gpu} x tp {args.tp})"
+    rec["cost_model"] = _cost_model(args, table, prices)
+    rec["server_prices"] = prices.to_dict() if prices is not None else None
     rec["estimates"] = [e.to_dict() for e in est]
     rec["counts"] = {k: getattr(counters, k) for k in cf.ROUND_FIELDS}
     if args.propose:
         rec["host_vars"] = _host_vars(rec, horizon)
     return rec
+
+
+def _cost_model(args: argparse.Namespace, table: Any, prices: PriceTable | None) -> str:
+    """Which round costs priced the table, in words (each row's ``cost_source`` says it per setting)."""
+    if table:
+        ignored = "; the server's own price table is not used" if prices is not None else ""
+        return f"measured table (--round-ms-json){ignored}"
+    if args.gpu == "H200" and args.tp == 1:
+        figures = "H200 production-shape figures"
+    else:
+        figures = f"modelled from the H200 figures by memory bandwidth ({args.gpu} x tp {args.tp})"
+    if prices is None:
+        return figures
+    sizes = {w: prices.batch_sizes(w) for w in prices.widths()}
+    shown = "; ".join(f"{w} at batch sizes {','.join(map(str, b))}" for w, b in sizes.items())
+    return (f"the server's own price table ({prices.method}, {shown}) for the settings it priced; the others "
+            f"from the {figures} scaled to the server's price of the running setting")  # fmt: skip
 
 
 def _host_vars(rec: dict[str, Any], horizon: int) -> dict[str, Any] | None:
@@ -178,6 +195,8 @@ def _print(rec: dict[str, Any]) -> None:
     print(f"{'setting':>8} {'tok/round':>14} {'ms/round':>9} {'tok/s':>16}")
     for r in rec["table"]:
         mark = " <- runs now" if r["setting"] == rec["current"] else ""
+        if r["cost_source"] != tune.COST_FIGURES:
+            mark += f" [cost: {r['cost_source']}]"
         if r["left_out"]:
             mark += f" (left out: {r['left_out']})"
         tpr = f"{r['tokens_per_round']:>7.3f} ± {r['tokens_per_round_se']:<5.3f}"

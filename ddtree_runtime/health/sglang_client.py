@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ddtree_runtime.core.round_prices import PriceTable, PriceTableError, parse_price_table
 from ddtree_runtime.health import http_client
 
 # Status codes of an endpoint a server does not have at all (not a failure of one it has).
@@ -265,6 +266,25 @@ def read_server_info(info: dict[str, Any]) -> ServerInfo:
         identity={k: info[k] for k in IDENTITY_KEYS
                   if isinstance(info.get(k), str | int) and not isinstance(info[k], bool)},
     )
+
+
+def server_prices(info: Any) -> PriceTable | None:
+    """The round prices a server measured at start-up (``--speculative-ddtree-price-table``): the first
+    ``internal_states[i].ddtree_prices`` of a ``/server_info`` object (data-parallel schedulers run the same
+    model; each measures its own), None when no scheduler publishes one. BadAnswer, naming the field, when
+    one is there in a shape the plugin never writes (``core/round_prices.parse_price_table``)."""
+    states = info.get("internal_states") if isinstance(info, dict) else None
+    if states is None:
+        return None
+    if not isinstance(states, list):
+        raise BadAnswer(f"/server_info internal_states is {ascii(states)[:60]}, not a list")
+    for i, state in enumerate(states):
+        if isinstance(state, dict) and state.get("ddtree_prices") is not None:
+            try:
+                return parse_price_table(state["ddtree_prices"], where=f"internal_states[{i}].ddtree_prices")
+            except PriceTableError as exc:
+                raise BadAnswer(f"/server_info {exc}") from None
+    return None
 
 
 def _text(value: Any) -> str | None:

@@ -135,6 +135,33 @@ def round_ms(label: str, c: float, *, gpu: str = "H200", tp: int = 1,
     return (h200 - host) * scale + host
 
 
+# Where a row's round cost came from (``recommend``'s ``cost_source``).
+COST_TABLE = "table"  # the operator's measured table (--round-ms-json)
+COST_SERVER = "server"  # the server's own start-up price table, at this setting
+COST_SERVER_SCALED = "server-scaled"  # the figures, scaled by the server's price of the running setting
+COST_FIGURES = "figures"  # the figures written above (H200 measured, other GPUs by bandwidth)
+
+
+def priced_ms(label: str, c: float, *, gpu: str = "H200", tp: int = 1,
+              table: Mapping[str, Mapping[int, float]] | None = None,
+              server: Mapping[str, Mapping[int, float]] | None = None,
+              anchor: str | None = None) -> tuple[float, str]:  # fmt: skip
+    """ms per round and its source (``COST_*``). An operator's ``table`` is used alone (KeyError for a
+    setting it lacks). A server's own table (``core/round_prices.PriceTable.round_ms``, per batch size)
+    prices the settings it measured; the others get the figures' cost scaled by the server's price of
+    ``anchor`` (the setting that runs) over the figures' for it: the host's level, the figures' ratios.
+    Without either, the figures."""
+    if table is not None:
+        return round_ms(label, c, table=table), COST_TABLE
+    if server:
+        if label in server:
+            return _interp(server[label], c), COST_SERVER
+        if anchor is not None and anchor in server:
+            scale = _interp(server[anchor], c) / round_ms(anchor, c, gpu=gpu, tp=tp)
+            return round_ms(label, c, gpu=gpu, tp=tp) * scale, COST_SERVER_SCALED
+    return round_ms(label, c, gpu=gpu, tp=tp), COST_FIGURES
+
+
 def _budget(label: str) -> int:
     return int(parse_label(label, what="setting"))
 
@@ -179,9 +206,10 @@ def runnable(labels: list[str], *, current: str, horizon: int, fit: Fit | None =
 def recommend(settings: list[Setting], *, concurrency: float, current: str | None, rounds: int,
               gpu: str = "H200", tp: int = 1, table: Mapping[str, Mapping[int, float]] | None = None,
               min_rounds: int = MIN_ROUNDS, left_out: Mapping[str, str | None] | None = None,
-              ) -> dict[str, Any]:  # fmt: skip
+              server: Mapping[str, Mapping[int, float]] | None = None) -> dict[str, Any]:  # fmt: skip
     """The table and the pick among the settings the host can run (``left_out``: label -> why not, from
-    :func:`runnable`). Raises TooFewRounds / NoComparison (not enough evidence: exit 1) and ValueError."""
+    :func:`runnable`; ``server``: the server's own prices, :func:`priced_ms`). Raises TooFewRounds /
+    NoComparison (not enough evidence: exit 1) and ValueError."""
     if not (isinstance(concurrency, int | float) and math.isfinite(concurrency) and 1 <= concurrency <= 4096):
         raise ValueError(f"concurrency must be a number in 1..4096, got {concurrency!r}")
     if rounds < min_rounds:
@@ -201,7 +229,8 @@ def recommend(settings: list[Setting], *, concurrency: float, current: str | Non
     rows = []
     for s in settings:
         try:
-            ms = round_ms(s.label, concurrency, gpu=gpu, tp=tp, table=table)
+            ms, source = priced_ms(s.label, concurrency, gpu=gpu, tp=tp, table=table, server=server,
+                                   anchor=current)  # fmt: skip
         except KeyError:
             if s.label == current:
                 raise NoComparison(f"the round-cost table (--round-ms-json) has no cost for {current}, the "
@@ -212,7 +241,8 @@ def recommend(settings: list[Setting], *, concurrency: float, current: str | Non
         rows.append({"setting": s.label, "tokens_per_round": s.tokens_per_round,
                      "tokens_per_round_se": s.tokens_per_round_se, "round_ms": ms,
                      "tokens_per_s": tps, "tokens_per_s_se": tps * rel, "paired_se": s.paired_se,
-                     "running": s.running, "left_out": left_out.get(s.label)})  # fmt: skip
+                     "running": s.running, "left_out": left_out.get(s.label),
+                     "cost_source": source})  # fmt: skip
     cur = next(r for r in rows if r["setting"] == current)
     best = max((r for r in rows if r["left_out"] is None), key=lambda r: r["tokens_per_s"])
     gain = best["tokens_per_s"] / cur["tokens_per_s"] - 1

@@ -28,6 +28,10 @@ The modules, as a reader of SGLang's ``srt/speculative/`` looks for them (``dfla
 * counterfactual acceptance on live traffic: ``counterfactual_hook`` (the worker scores a sampled
   fraction of greedy decode rounds for every candidate budget, reading nothing back inside a round),
   ``counterfactual_metrics`` (its ``sglang:ddtree_counterfactual_*`` counters on SGLang's ``/metrics``);
+* the round's own prices, measured at start-up behind ``--speculative-ddtree-price-table``:
+  ``price_table`` (medians of synchronised runs per batch size, only at start-up), ``price_stages``
+  (what is timed: the server's captured graphs replayed, else its eager passes, on dummy requests),
+  ``price_metrics`` (the table as ``sglang:ddtree_price_*`` gauges on ``/metrics``);
 * one tree round, the subpackage ``round``: ``tree_round`` (the round with its two model passes
   injected), ``sglang_models`` (those passes on SGLang's runners), ``tree_step`` (tree, verify arrays,
   walk in SGLang's layout), ``tree_commit`` (the accepted KV into SGLang's pools), ``hybrid_state``

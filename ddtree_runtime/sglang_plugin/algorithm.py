@@ -48,6 +48,8 @@ class PluginSettings:
     algorithm: str = ALGORITHM
     # What the worker scores (counterfactual_hook); None only where settings are built by hand (tests).
     counterfactual: CounterfactualSettings | None = None
+    # Measure the round's prices at start-up (--speculative-ddtree-price-table; price_table.py).
+    price_table: bool = False
 
     def with_contract(self, contract: dict[str, Any] | None) -> PluginSettings:
         return replace(self, contract=contract)
@@ -228,7 +230,7 @@ def resolve_server_args(server_args: Any) -> None:
     declare_resolution(record, RESOLUTION_SOURCE, **declared)
     resolved = PluginSettings(
         decoder, allow_hybrid=args.allow_hybrid, hybrid_kind=kind, contract=contract,
-        counterfactual=counterfactual,
+        counterfactual=counterfactual, price_table=args.price_table,
     )  # fmt: skip
     setattr(record, RESOLVED_ATTR, resolved)
     logger.info(

@@ -39,6 +39,8 @@ class DDTreeArgs:
     # (core/counterfactual.CounterfactualSettings.resolve), where the drafter's horizon is known.
     counterfactual_fraction: float = PLUGIN_DEFAULT_FRACTION
     counterfactual_budgets: str = DEFAULT_BUDGETS
+    # The start-up price table (price_table.py): off until the GPU suite has run it (issue 41).
+    price_table: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -105,6 +107,36 @@ def add_ddtree_arguments(parser: argparse.ArgumentParser) -> None:
         help="DDTREE only. Comma-separated tree budgets to score, `chain` for DFlash's chain "
         f"(top-k cap 1). Default {DEFAULT_BUDGETS}.",
     )
+    group.add_argument(
+        "--speculative-ddtree-price-table",
+        type=_switch("--speculative-ddtree-price-table"),
+        nargs="?",
+        const=True,
+        default=False,
+        help="DDTREE only. At start-up, after the graphs are captured, time the tree round's verify and the "
+        "rest of a round at each captured batch size (medians of a few runs) and publish the table on "
+        "/server_info (internal_states[i].ddtree_prices) and /metrics (sglang:ddtree_price_*), where "
+        "`ddtree tune --url` prices rounds with it. Default off for now (docs/price-table.md).",
+    )
+
+
+TRUE_WORDS = ("true", "1", "yes", "on")
+FALSE_WORDS = ("false", "0", "no", "off")
+
+
+def _switch(name: str):
+    """A switch: bare (on), or one of TRUE_WORDS / FALSE_WORDS (a profile may write it out either way)."""
+
+    def parse(text: str) -> bool:
+        word = text.strip().lower()
+        if word in TRUE_WORDS:
+            return True
+        if word in FALSE_WORDS:
+            return False
+        words = ", ".join(TRUE_WORDS + FALSE_WORDS)
+        raise argparse.ArgumentTypeError(f"{name} is a switch: alone, or one of {words}; got {text!r}")
+
+    return parse
 
 
 def _fraction(text: str) -> float:
@@ -129,6 +161,7 @@ def capture_ddtree_arguments(record: Any, namespace: argparse.Namespace) -> DDTr
         counterfactual_budgets=str(
             getattr(namespace, "speculative_ddtree_counterfactual_budgets", DEFAULT_BUDGETS)
         ),
+        price_table=bool(getattr(namespace, "speculative_ddtree_price_table", False)),
     )
     setattr(record, RECORD_ATTR, args.to_dict())
     return args

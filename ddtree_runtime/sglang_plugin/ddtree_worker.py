@@ -73,6 +73,7 @@ class DDTreeWorker(DFlashWorkerV2):
         # Counterfactual scoring (counterfactual_hook), built once the pools and graphs exist; the counters'
         # model_name label as the lab engine's, None when --enable-metrics is off (scored, not published).
         self._ddtree_scoring: Any = None
+        self._ddtree_prices: Any = None  # the start-up price table (init_cuda_graphs, with the switch on)
         self._ddtree_scoring_model = (
             str(cfg.served_model_name or cfg.model_path) if cfg.enable_metrics else None
         )
@@ -119,6 +120,37 @@ class DDTreeWorker(DFlashWorkerV2):
         # Counterfactual scoring, built (and its candidates' tree builds compiled) before the server says
         # ready, not at the first decode round under traffic (counterfactual_hook.build_scoring).
         self._counterfactual()
+        # Last, once every graph exists: the round's prices, timed now and never in a served round.
+        self._ddtree_prices = self._measure_prices() if self.ddtree_settings.price_table else None
+
+    def _measure_prices(self) -> Any:
+        """The start-up price table (``price_table``), published on /metrics; None (logged) for the chain
+        or when it cannot be measured: serving goes on without it."""
+        if is_chain(self.ddtree_settings):
+            logger.warning("DDTREE: no price table for the chain (it runs DFlash's own round).")
+            return None
+        from ddtree_runtime.core.round_prices import width_label
+        from ddtree_runtime.sglang_plugin.price_stages import worker_stages
+        from ddtree_runtime.sglang_plugin.price_table import measure_prices
+
+        decoder = self.ddtree_settings.decoder
+        try:
+            sizes, stages, method, sync = worker_stages(self, self._round_config(), self._round_graphs)
+            table = measure_prices(width_label(decoder.budget, chain=False), sizes, stages, method=method,
+                                   sync=sync)  # fmt: skip
+        except Exception as exc:  # a price table must not stop a server that serves
+            logger.warning("DDTREE: no price table (%s: %s)", type(exc).__name__, exc, exc_info=True)
+            return None
+        if self._ddtree_metrics is not None and _publishing_rank():
+            from ddtree_runtime.sglang_plugin.price_metrics import PriceMetrics
+
+            PriceMetrics().publish(table)
+        return table
+
+    def ddtree_prices(self) -> dict[str, Any] | None:
+        """The start-up price table as ``/server_info`` shows it (``internal_states[i].ddtree_prices``)."""
+        table = self.__dict__.get("_ddtree_prices")  # not DFlashWorkerV2's attribute lookup
+        return table.to_dict() if table is not None else None
 
     def _adopt_drafter_block(self) -> None:
         """DFlashWorkerV2 sizes its drafter block from speculative_num_draft_tokens, which for a
@@ -294,6 +326,14 @@ class DDTreeWorker(DFlashWorkerV2):
     def _observe_hidden(self, hidden: Any) -> None:
         self._ddtree_handshake.observe(hidden)
         self._publish(self._ddtree_handshake.to_dict())
+
+
+def _publishing_rank() -> bool:
+    """Rank 0 of a tensor-parallel group publishes its gauges (every rank measures the same round)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    return int(getattr(parallel, "attn_tp_rank", getattr(parallel, "tp_rank", 0)) or 0) == 0
 
 
 def add_tree_logprobs(batch: Any, logits_output: Any, out_tokens: Any, accept_index: Any) -> None:

@@ -50,6 +50,10 @@ def add_to_internal_state(
     handshake = getattr(worker, "ddtree_handshake", None)
     if callable(handshake):
         state["ddtree_handshake"] = handshake()
+    prices = getattr(worker, "ddtree_prices", None)
+    table = prices() if callable(prices) else None
+    if table is not None:  # --speculative-ddtree-price-table (price_table.py)
+        state["ddtree_prices"] = table
 
 
 async def remember_live_handshake(original: Any, *args: Any, **kwargs: Any) -> Any:

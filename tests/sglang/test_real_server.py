@@ -93,7 +93,10 @@ def reference(plain: dict) -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def ddtree(models: Path, reference: dict, tmp_path_factory: pytest.TempPathFactory):
-    server = RealServer(models / "target", models / "draft", log_dir=tmp_path_factory.mktemp("ddtree"))
+    # With the start-up price table on: the identity tests below also hold that measuring leaves nothing
+    # behind in the pools (docs/price-table.md).
+    server = RealServer(models / "target", models / "draft", log_dir=tmp_path_factory.mktemp("ddtree"),
+                        extra=["--speculative-ddtree-price-table"])  # fmt: skip
     try:
         report("ddtree_start", ready_seconds=server.wait_ready(), budget=BUDGET)
         yield server
@@ -169,6 +172,19 @@ def test_server_info_and_metrics_carry_the_handshake(ddtree):
     assert gauges["sglang:ddtree_observed_hidden_width"] == 128
     assert gauges["sglang:ddtree_budget"] == BUDGET
     assert gauges["sglang:spec_accept_length"] > 1.0
+    # The start-up price table (--speculative-ddtree-price-table): eager rounds on this CPU, the same on
+    # /server_info (read by the one reader, as `ddtree tune --url` reads it) and on /metrics.
+    from ddtree_runtime.health.sglang_client import server_prices
+
+    prices = server_prices(info)
+    assert prices is not None and prices.method == "eager" and prices.widths() == [str(BUDGET)]
+    assert prices.batch_sizes(str(BUDGET)) == [1, 2, 4, 8]
+    round_s = {
+        int(line.split('batch_size="')[1].split('"')[0]): float(line.rsplit(" ", 1)[1])
+        for line in ddtree.metrics().splitlines()
+        if line.startswith("sglang:ddtree_price_round_seconds{")
+    }
+    assert round_s == {bs: pytest.approx(p.round_s) for (_, bs), p in prices.prices.items()}
 
 
 def test_live_probe_passes_with_the_handshake(ddtree):

@@ -153,6 +153,17 @@ class RoundBucket:
             self._accept_out = self._accept()
         self._plan_graph, self._accept_graph = plan_graph, accept_graph
 
+    def replay_stages(self) -> None:
+        """Both stages on whatever the static buffers hold, as a round replays them (graphs, else eager):
+        what the start-up price table times (``price_stages``). At start-up the buffers hold zeros, so the
+        accept stage's KV moves are 0 -> 0 (SGLang's dummy slot)."""
+        if self._plan_graph is not None and self._accept_graph is not None:
+            self._plan_graph.replay()
+            self._accept_graph.replay()
+        else:
+            self._plan_out = self._plan()
+            self._accept_out = self._accept()
+
     # --- one round ---------------------------------------------------------------------------
     def plan(
         self, depth_hidden: Tensor, root: Tensor, prefix: Tensor, mask_cells: int | None
