@@ -268,7 +268,7 @@ class CounterfactualScorer:
         """The requests in ``slots`` ended: their unresolved rounds are discarded (and counted)."""
         slots = slots.to(self.device).long()
         self.rounds_discarded += self.active[slots].sum()
-        self.active[slots] = False
+        self.active.index_fill_(0, slots, False)  # `[slots] = False` copies a host scalar: a sync
 
     def _register(self, top: DraftTopK, slots: Tensor, sample: Tensor, num_emitted: Tensor) -> None:
         b = slots.shape[0]
