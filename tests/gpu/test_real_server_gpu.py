@@ -77,7 +77,8 @@ def servers():
     # Every speculative server counts the host syncs inside its decode forwards (lab only). The tree
     # servers also run what is off by default until this suite has run it (DDTREE_GPU_SUITE_NEW=0
     # leaves them off): the GDN verify that keeps a parent's state in registers (its rows depth
-    # first) and counterfactual scoring on 5 % of greedy rounds.
+    # first), counterfactual scoring on 5 % of greedy rounds, and the start-up price table (its dummy
+    # rounds run before every test here: the identity tests hold after them).
     new = os.environ.get("DDTREE_GPU_SUITE_NEW", "1") == "1"
     switches = {"SGLANG_DDTREE_GDN_REUSE_PARENT": "1"}
     env = {"DDTREE_LAB_SYNC_WATCH": "1", **({"DDTREE_LAB_FAULT": fault} if fault else {}),
@@ -88,6 +89,8 @@ def servers():
         over = {"speculative-ddtree-budget": budget,
                 **({"speculative-ddtree-counterfactual-fraction": 0.05} if new else {})}  # fmt: skip
         extra = ["--page-size", str(page)] if page > 1 else []
+        if new:
+            extra.append("--speculative-ddtree-price-table")
         if not OVERLAP:
             extra.append("--disable-overlap-schedule")
         specs.append(Spec(name, pair, "DDTREE", env=env, overrides=over, extra=extra))
