@@ -244,6 +244,7 @@ class CounterfactualScorer:
         num_emitted: Tensor,
         slots: Tensor,
         sample: Tensor | None,
+        ends: Tensor | None = None,
     ) -> None:
         """One decode round of the batch rows ``slots [b]``.
 
@@ -254,6 +255,12 @@ class CounterfactualScorer:
         ``emitted [b, >=1]`` / ``num_emitted [b]`` are the target's tokens this round committed, in
         order. New pending rounds are registered before the tokens are fed: this round's own emitted
         tokens are the first of their continuation.
+
+        ``ends [b]`` bool (None: none) marks rows whose request stops with this round (a stop token among
+        its emitted tokens). A round cut at a stop token emitted fewer tokens than its walk accepted, and
+        what a request rides on after its stop (an overlap scheduler's next round) is not its output: so
+        on such a row a count is final only on a miss (``match < known``, not by reaching the tree's
+        deepest node), and the slot's rounds still pending after this round are discarded (counted).
         """
         slots = slots.to(self.device).long()
         if top is not None and sample is not None:
@@ -261,7 +268,7 @@ class CounterfactualScorer:
                 raise ValueError(f"draft top-K horizon {top.ids.shape[1]} != scorer horizon {self.horizon}")
             self._register(top, slots, sample.to(self.device).bool(), num_emitted.to(self.device).long())
         self._feed(emitted.to(self.device).long(), num_emitted.to(self.device).long(), slots)
-        self._resolve(slots)
+        self._resolve(slots, None if ends is None else ends.to(self.device).bool())
 
     @torch.no_grad()
     def release(self, slots: Tensor) -> None:
@@ -316,13 +323,17 @@ class CounterfactualScorer:
         self.cont[slots] = padded[..., :width]
         self.known[slots] = torch.where(self.active[slots], (known + num[:, None]).clamp(max=width), known)
 
-    def _resolve(self, slots: Tensor) -> None:
-        """Score the batch's pending rounds whose counts are final (only these slots got tokens)."""
+    def _resolve(self, slots: Tensor, ends: Tensor | None) -> None:
+        """Score the batch's pending rounds whose counts are final (only these slots got tokens); on rows
+        that ``ends``, only a miss is final and what stays pending is discarded (see :meth:`observe`)."""
         c = len(self.candidates)
         cont = self.cont[slots][:, :, None, :].expand(-1, -1, c, -1)
         match = _match(self.tokens[slots], self.depths[slots], self.parents[slots], cont)  # [b, R, C]
         known = self.known[slots][:, :, None]
-        final = (match < known) | (known >= self.max_depth[slots])
+        deepest = known >= self.max_depth[slots]
+        if ends is not None:  # a cut round's real count is short: its deepest match proves nothing
+            deepest = deepest & ~ends[:, None, None]
+        final = (match < known) | deepest
         active = self.active[slots]
         done = active & final.all(dim=-1)
         counted = torch.where(done[:, :, None], match, torch.zeros_like(match))
@@ -334,7 +345,11 @@ class CounterfactualScorer:
         self.real_emitted_sq += (real * real).sum()
         self.accepted_x_real += (counted * real[:, :, None]).sum(dim=(0, 1))
         self.round_weight += (real[:, :, None].double() / (match + 1).double()).sum(dim=(0, 1))
-        self.active[slots] = active & ~done
+        left = active & ~done
+        if ends is not None:
+            self.rounds_discarded += (left & ends[:, None]).sum()
+            left = left & ~ends[:, None]
+        self.active[slots] = left
 
     # ------------------------------------------------------------------ read-out
 

@@ -70,6 +70,26 @@ def to_device(values: Sequence[int] | Sequence[bool], dtype: torch.dtype, device
     return host.to(device)
 
 
+def stop_table(stops: Sequence[frozenset[int]], device: torch.device) -> Tensor:
+    """The rows' stop sets as ``[b, S]`` int64 on the device (-2 where a row has fewer), copied without
+    waiting."""
+    width = max(1, max(len(s) for s in stops))
+    host = torch.full((len(stops), width), -2, dtype=torch.long)
+    for r, ids in enumerate(stops):
+        if ids:
+            host[r, : len(ids)] = torch.tensor(sorted(ids), dtype=torch.long)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def ends_at_stop(emitted: Tensor, num_emitted: Tensor, stops: Tensor) -> Tensor:
+    """``[b]`` bool: the row emitted one of its stop tokens this round (its request stops with it; the
+    round's walk is cut there, ``tree_round.truncate_at_stop``). Device ops only."""
+    live = torch.arange(emitted.shape[1], device=emitted.device)[None] < num_emitted[:, None]
+    return ((emitted[:, :, None] == stops[:, None, :]).any(-1) & live).any(-1)
+
+
 def head_candidates(candidates: Sequence[Candidate], head_k: int | None, vocab: int) -> list[Candidate]:
     """The candidates a head ranking ``head_k`` tokens per depth can build whole (None: it ranks as many as
     asked). A tree of budget B and cap c needs min(B, V, c) per depth; a narrower top-K would give it a
@@ -105,6 +125,7 @@ class RoundPlan:
     sample: Tensor | None  # [b] bool, greedy rows (device); None when not sampled
     rows: int
     top: DraftTopK | None = None  # the drafter's top-K, filled on a sampled round
+    stops: Tensor | None = None  # [b, S] the rows' stop tokens (-2 padded), None: no row has any
 
 
 @dataclass
@@ -167,9 +188,17 @@ class CounterfactualHook:
         self.device = self.scorer.device
         self.book = SlotBook(self.horizon)
         self.rounds_observed = 0  # host count of observe calls: the publisher's "anything new?"
+        self._stops: tuple[tuple[frozenset[int], ...], Tensor] | None = None  # the last batch's, on device
 
-    def plan(self, reqs: Sequence[Any], req_pool_indices: Tensor) -> RoundPlan | None:
-        """Host decision before the round (None: nothing to do this round)."""
+    def plan(
+        self,
+        reqs: Sequence[Any],
+        req_pool_indices: Tensor,
+        stop_of: Callable[[Any], frozenset[int]] | None = None,
+    ) -> RoundPlan | None:
+        """Host decision before the round (None: nothing to do this round). ``stop_of(req)``: a request's
+        stop tokens, the round's own rule (``ddtree_info.stop_ids``): a row that emits one ends its
+        request, and the scorer is told (``CounterfactualScorer.observe``'s ``ends``)."""
         sampled = self.sampler.next()
         greedy = [is_greedy(r) for r in reqs] if sampled else []
         sampled = sampled and any(greedy)
@@ -187,7 +216,14 @@ class CounterfactualHook:
                 sample = torch.ones(len(reqs), dtype=torch.bool, device=self.device)
             else:
                 sample = to_device(greedy, torch.bool, self.device)
-        return RoundPlan(sampled=sampled, slots=req_pool_indices, sample=sample, rows=len(reqs))
+        table = None
+        stops = None if stop_of is None else tuple(stop_of(r) for r in reqs)
+        if stops is not None and any(stops):
+            key = stops
+            if self._stops is None or self._stops[0] != key:  # the batch's sets change only as it does
+                self._stops = (key, stop_table(key, self.device))
+            table = self._stops[1]
+        return RoundPlan(sampled=sampled, slots=req_pool_indices, sample=sample, rows=len(reqs), stops=table)
 
     # --- the drafter's top-K of a sampled round ------------------------------------------------
     def take_head(self, plan: RoundPlan, head: Tensor | DraftTopK, block: int) -> None:
@@ -224,7 +260,9 @@ class CounterfactualHook:
         """``emitted [b * W]`` (the round's committed tokens in order, -1 padded) and ``num_emitted [b]``.
         A sampled round whose top-K never came (no drafter output to rank) only feeds."""
         top = plan.top if plan.sampled else None
-        self.scorer.observe(top, emitted.view(plan.rows, -1), num_emitted, plan.slots, plan.sample)
+        rows = emitted.view(plan.rows, -1)
+        ends = None if plan.stops is None else ends_at_stop(rows, num_emitted, plan.stops)
+        self.scorer.observe(top, rows, num_emitted, plan.slots, plan.sample, ends)
         self.rounds_observed += 1
 
 
@@ -320,12 +358,14 @@ class WorkerScoring:
         hook: CounterfactualHook,
         publisher: CounterPublisher | None,
         rank_hidden: Callable[[Tensor, int], Tensor | DraftTopK],
+        stop_of: Callable[[Any], frozenset[int]] | None = None,
     ) -> None:
         self.hook, self.publisher, self.rank_hidden = hook, publisher, rank_hidden
+        self.stop_of = stop_of  # a request's stop tokens (the worker's: ddtree_info.stop_ids)
         self.round: RoundPlan | None = None
 
     def begin(self, batch: Any) -> None:
-        self.round = self.hook.plan(batch.reqs, batch.req_pool_indices)
+        self.round = self.hook.plan(batch.reqs, batch.req_pool_indices, self.stop_of)
 
     def models(self, models: Any, block: int) -> Any:
         """The tree round's models, teed on a sampled round."""
@@ -434,7 +474,9 @@ def build_scoring(worker: Any, *, model_name: str | None) -> WorkerScoring | Non
         from ddtree_runtime.sglang_plugin.counterfactual_metrics import CounterfactualMetrics
 
         publisher = CounterPublisher(hook, CounterfactualMetrics(model_name).update)
-    scoring = WorkerScoring(hook, publisher, rank_hidden)
+    from ddtree_runtime.sglang_plugin.ddtree_info import stop_ids  # the round's own stop rule
+
+    scoring = WorkerScoring(hook, publisher, rank_hidden, stop_ids)
     if chain:
         _tee_draft_forward(worker.draft_model_runner, lambda out: scoring.draft_out(out, horizon + 1))
     logger.info(

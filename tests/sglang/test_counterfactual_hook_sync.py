@@ -30,8 +30,8 @@ L = BLOCK - 1
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7], [2, 7, 1, 8]]
 
 
-def _req(slot: int, greedy: bool = True) -> SimpleNamespace:
-    params = SimpleNamespace(top_k=1 if greedy else 20, stop_token_ids=None, ignore_eos=False)
+def _req(slot: int, greedy: bool = True, stops: set[int] | None = None) -> SimpleNamespace:
+    params = SimpleNamespace(top_k=1 if greedy else 20, stop_token_ids=stops, ignore_eos=False)
     return SimpleNamespace(kv=SimpleNamespace(req_pool_idx=slot), sampling_params=params, eos_token_ids=set())
 
 
@@ -47,7 +47,8 @@ def _unguard_scorer(hook: CounterfactualHook) -> None:
             setattr(hook.scorer, name, on_host(value))
 
 
-def _scored_worker(prompts, *, graphs: bool, fraction: float = 1.0, budgets: str = f"2,{BUDGET},chain"):
+def _scored_worker(prompts, *, graphs: bool, fraction: float = 1.0, budgets: str = f"2,{BUDGET},chain",
+                   stop_of=None):  # fmt: skip
     worker, toy, rows, bonus, _ = _guarded_worker(1, prompts, [])
     if graphs:
         from tests.sglang.test_round_graphs import _graphs
@@ -65,7 +66,7 @@ def _scored_worker(prompts, *, graphs: bool, fraction: float = 1.0, budgets: str
     _guard_scorer(hook)
     published: list[dict] = []
     worker._ddtree_scoring = WorkerScoring(
-        hook, CounterPublisher(hook, published.append, async_copy=True), lambda h, k: h
+        hook, CounterPublisher(hook, published.append, async_copy=True), lambda h, k: h, stop_of
     )
     return worker, toy, rows, bonus, hook, published
 
@@ -107,6 +108,27 @@ def test_the_worker_scores_its_own_budget_exactly_and_reads_nothing_back(graphs)
     assert chain["accepted"] <= own["accepted"]  # the chain is inside the budget-7 tree here (L = 3)
     # the first round's counters, copied after it and published after the next (the copy's event is done)
     assert published and published[0]["rounds_sampled"] == len(rows)
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "round-graphs"])
+def test_a_round_cut_at_a_stop_token_leaves_the_running_budget_exact(graphs):
+    """Each request stops at a token of its greedy output: the tree round cuts its walk there
+    (``truncate_at_stop``) and, as under the overlap scheduler, the finished request rides the next rounds
+    (the same batch here). Told the round's stop rule (``ddtree_info.stop_ids``, as ``build_scoring``
+    passes it), the scorer leaves the cut rounds and the rides' tokens out of the running budget's rounds:
+    accepted + 1 = what each scored round emitted."""
+    from ddtree_runtime.sglang_plugin.ddtree_info import stop_ids
+
+    worker, toy, rows, bonus, hook, _ = _scored_worker(PROMPTS, graphs=graphs, stop_of=stop_ids)
+    stops = [{toy.target.reference_greedy(p, 8)[k]} for p, k in zip(PROMPTS, (3, 5, 2), strict=True)]
+    reqs = [_req(r, stops=s) for r, s in zip(rows, stops, strict=True)]
+    out = _decode(worker, rows, bonus, PROMPTS, 6, reqs)
+    assert all(s & set(o) for s, o in zip(stops, out, strict=True))  # every request met its stop
+    _unguard_scorer(hook)
+    snap = hook.scorer.snapshot()
+    own = next(c for c in snap["candidates"] if c["label"] == str(BUDGET))
+    assert own["accepted"] + snap["rounds_scored"] == snap["real_emitted"], snap
+    assert snap["rounds_scored"] > 0 and snap["rounds_discarded"] > 0
 
 
 def test_a_graph_round_is_scored_from_the_bucket_after_its_replay():

@@ -208,3 +208,57 @@ def test_renewal_weighting_counts_each_real_round_for_the_tokens_it_covered() ->
     assert chain["accepted_x_real"] == 2 * 3 + 0 * 1
     assert tree["accepted"] == sum(m) and tree["accepted_x_real"] == m[0] * 3 + m[1] * 1
     assert tree["round_weight"] == pytest.approx(3 / (m[0] + 1) + 1 / (m[1] + 1))
+
+
+def test_a_round_cut_at_a_stop_token_never_scores_the_running_setting_off_by_its_cut() -> None:
+    # The server runs the chain (depth L). Its walk accepted all L drafted tokens, the L-th a stop token:
+    # the round is cut there (the bonus dropped), so it emitted L tokens, not L + 1. Reaching the chain's
+    # deepest node would make the count final; paired with the cut count it is one token off.
+    logits = _logits(13, 1)
+    path = logits.argmax(-1)
+    slot, yes = torch.tensor([0]), torch.tensor([True])
+
+    def run(ends: torch.Tensor | None) -> dict:
+        s = CounterfactualScorer([Candidate(L, 1)], horizon=L, num_slots=1)
+        s.observe(s.top_from_logits(logits), path, torch.tensor([L]), slot, yes, ends)
+        return s.snapshot()
+
+    snap = run(torch.tensor([True]))
+    assert (snap["rounds_scored"], snap["rounds_discarded"], snap["pending"]) == (0, 1, 0)
+    # Told nothing, the scorer cannot know the round was cut: scored, accepted + 1 != real tokens.
+    snap = run(None)
+    assert snap["rounds_scored"] == 1 and snap["candidates"][0]["accepted"] + 1 == snap["real_emitted"] + 1
+
+
+def test_a_request_riding_a_round_after_its_stop_feeds_nothing_to_its_pending_rounds() -> None:
+    # Running the chain, a round cut at a stop token at depth 2 (it emitted 2 tokens of a walk that went
+    # on); under an overlap scheduler the finished request rides one more round, whose tokens continue
+    # the chain's path. Fed to the cut round, they would score it L accepted against 2 real tokens.
+    logits = _logits(17, 1)
+    path = logits.argmax(-1)
+    slot, yes, no = torch.tensor([0]), torch.tensor([True]), torch.tensor([False])
+    for ends, scored, discarded in ((torch.tensor([True]), 0, 1), (None, 1, 0)):
+        s = CounterfactualScorer([Candidate(L, 1), Candidate(16)], horizon=L, num_slots=1)
+        s.observe(s.top_from_logits(logits), path[:, :2], torch.tensor([2]), slot, yes, ends)
+        s.observe(None, path[:, 2:], torch.tensor([L - 2]), slot, no)  # the ride after the stop
+        snap = s.snapshot()
+        assert (snap["rounds_scored"], snap["rounds_discarded"], snap["pending"]) == (scored, discarded, 0)
+        chain = snap["candidates"][0]
+        # accepted + rounds == real tokens holds only when the cut round is left out
+        assert (chain["accepted"] + snap["rounds_scored"] == snap["real_emitted"]) == (ends is not None)
+
+
+def test_a_row_that_ends_still_scores_what_its_miss_settled() -> None:
+    # A stop token as the bonus (the round not cut): the running chain missed at depth 3, final by the
+    # miss, scored exactly; an earlier round on the same slot settled by these tokens scores too.
+    logits = _logits(19, 1)
+    path = logits.argmax(-1)
+    off = (path + 1) % V
+    slot, yes = torch.tensor([0]), torch.tensor([True])
+    s = CounterfactualScorer([Candidate(L, 1)], horizon=L, num_slots=1)
+    top = s.top_from_logits(logits)
+    emitted = torch.cat([path[:, :2], off[:, 2:3]], 1)
+    s.observe(top, emitted, torch.tensor([3]), slot, yes, torch.tensor([True]))
+    snap = s.snapshot()
+    assert (snap["rounds_scored"], snap["rounds_discarded"], snap["real_emitted"]) == (1, 0, 3)
+    assert snap["candidates"][0]["accepted"] == 2

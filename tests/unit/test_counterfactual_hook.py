@@ -57,10 +57,11 @@ def peaked_logits(b: int, tokens: list[list[int]]) -> torch.Tensor:
     return logits
 
 
-def run_round(h: CounterfactualHook, reqs, draft: list[list[int]] | None, emitted: list[list[int]]):
+def run_round(h: CounterfactualHook, reqs, draft: list[list[int]] | None, emitted: list[list[int]],
+              stop_of=None):  # fmt: skip
     """One decode round through plan -> take_head -> end, as the worker drives it; the plan."""
     slots = torch.tensor([r.kv.req_pool_idx for r in reqs])
-    plan = h.plan(reqs, slots)
+    plan = h.plan(reqs, slots, stop_of)
     if plan is None:
         return None
     if draft is not None:
@@ -173,6 +174,38 @@ def test_the_running_chain_is_scored_exactly():
     assert scored >= 3
     assert chain["accepted"] + scored == snap["real_emitted"]
     assert chain["tokens_per_round"] == snap["real_emitted"] / scored
+
+
+def test_a_round_cut_at_a_stop_token_and_the_ride_after_it_leave_the_running_chain_exact():
+    """The running chain (its tree round cut at a stop token, ``tree_round.truncate_at_stop``) accepts
+    1, 2, 3 then the stop token 4 at its deepest depth: it emits those 4 of its 5 tokens. The overlap
+    scheduler's next round still carries the finished request (the model decoding on past its stop). Told
+    the request's stop tokens, the hook leaves both cut rounds out; told nothing, the deepest-depth round
+    scores one token more than it emitted, the ride completes the other."""
+    drafts = [[1, 2, 3, 4], [6, 7, 8, 9], [8, 9, 1, 1]]
+    emitted = [[1, 2, 3, 4], [6, 7], [8, 9, 5]]  # rounds 1 and 2 cut at stops 4 and 7; round 3 the ride
+    for stop_of, exact in ((lambda r: frozenset({4, 7}), True), (None, False)):
+        h = hook(fraction=1.0, candidates=parse_candidates("chain,8", L))
+        r = req(2)
+        for d, e in zip(drafts, emitted, strict=True):
+            run_round(h, [r], [d], [e], stop_of)
+        snap = h.scorer.snapshot()
+        chain = next(c for c in snap["candidates"] if c["label"] == "chain")
+        assert (chain["accepted"] + snap["rounds_scored"] == snap["real_emitted"]) is exact, snap
+        if exact:
+            assert (snap["rounds_scored"], snap["rounds_discarded"]) == (1, 2)  # the ride itself scores
+
+
+def test_a_batch_without_stop_tokens_builds_no_table_and_a_batch_keeps_its_own():
+    h = hook(fraction=1.0)
+    reqs, slots = [req(0), req(1)], torch.tensor([0, 1])
+    plan = h.plan(reqs, slots, lambda r: frozenset())
+    assert plan is not None and plan.stops is None
+    plan = h.plan(reqs, slots, lambda r: frozenset({3, r.kv.req_pool_idx}))
+    assert plan.stops.tolist() == [[0, 3], [1, 3]]
+    # the same batch's table is kept, not copied again; another batch's sets get their own
+    assert h.plan(reqs, slots, lambda r: frozenset({3, r.kv.req_pool_idx})).stops is plan.stops
+    assert h.plan(reqs, slots, lambda r: frozenset({7})).stops.tolist() == [[7], [7]]
 
 
 # --- the drafter's top-K ------------------------------------------------------------------------
