@@ -9,11 +9,6 @@ import sys
 
 import pytest
 
-# Importing SGLang imports transformers, which loads torchvision when it is installed; the device image's
-# torchvision aborted this process when its C extension loaded (H100, 2026-12-05, after the
-# counterfactual servers ran). The kernels need neither: hide it (find_spec then answers None).
-sys.modules.setdefault("torchvision", None)  # type: ignore[arg-type]
-
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
@@ -64,6 +59,12 @@ def _kwargs(batch: int, budget: int, ssm_dtype: torch.dtype, preorder: bool) -> 
 @pytest.mark.parametrize("batch", [1, 8])
 @pytest.mark.parametrize("ssm_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_the_plugins_gdn_tree_verify_is_bit_identical_to_sglangs_on_the_gpu(ssm_dtype, batch, preorder):
+    # Importing SGLang imports transformers, which loads torchvision when it is installed; the device
+    # image's torchvision aborted this process when its C extension loaded (H100, 2026-12-05). The
+    # kernels need neither: hide it (find_spec then answers None). Here, on a GPU only: done at import
+    # it hid a working torchvision from every CPU test of the same pytest process.
+    if "torchvision" not in sys.modules:
+        sys.modules["torchvision"] = None  # type: ignore[assignment]
     from sglang.kernels.ops.attention.linear.fused_sigmoid_gating_recurrent import (
         fused_sigmoid_gating_delta_rule_update,
     )

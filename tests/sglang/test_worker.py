@@ -177,3 +177,29 @@ def test_worker_features_a_tree_cannot_use_are_refused(sglang_plugins, pair):
     check_tree_worker_features(settings, SimpleNamespace(_need_mamba_verify_commit=False, selector=None))
     chain = replace(settings, decoder=DecoderSettings.chain(settings.decoder.block_size))
     check_tree_worker_features(chain, SimpleNamespace(_need_mamba_verify_commit=True))  # DFlash's decode
+
+
+@pytest.mark.parametrize(("layer_ids", "cause", "detail"), [
+    (None, "hidden_width_mismatch", "(expected width 128, got 64)"),  # no capture: the last hidden state
+    ([1, 3], "hidden_width_mismatch", "(expected width 192, got 128)"),  # a drafter for another target
+])  # fmt: skip
+def test_the_loaded_width_check_speaks_the_rollouts_diagnosis(layer_ids, cause, detail):
+    """What the loaded-model check raises at start reaches the rollout through the unit's journal: the
+    diagnosis (health/diagnose.scan) must name the cause and both widths, not a bare crash loop."""
+    from ddtree_runtime.core.model_files import ContractError
+    from ddtree_runtime.health.diagnose import scan
+    from ddtree_runtime.sglang_plugin.algorithm import PluginSettings
+    from ddtree_runtime.sglang_plugin.refusals.worker_start import loaded_contract
+
+    runner = SimpleNamespace(
+        model_config=SimpleNamespace(hidden_size=64, num_hidden_layers=4),
+        spec_aux_config=SimpleNamespace(dflash_target_layer_ids=layer_ids),
+    )
+    fc_in = 128 if layer_ids is None else 192
+    draft = SimpleNamespace(fc=torch.nn.Linear(fc_in, 32), config=SimpleNamespace(hidden_size=32))
+    with pytest.raises(ContractError) as raised:
+        loaded_contract(runner, draft, PluginSettings(DecoderSettings(15, 16, None)))
+    journal = f"Dec 06 01:02:03 ct129 python[812]: ContractError: {raised.value}\n"
+    findings = scan(journal)
+    assert [f.cause for f in findings] == [cause], findings
+    assert detail in findings[0].summary, findings[0].summary

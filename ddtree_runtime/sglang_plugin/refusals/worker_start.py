@@ -46,16 +46,21 @@ def loaded_contract(target_runner: Any, draft_model: Any, settings: PluginSettin
     gets it, hub ids included; raises ContractError on a mismatch, before any forward."""
     model_config = target_runner.model_config
     layer_ids = getattr(target_runner.spec_aux_config, "dflash_target_layer_ids", None)
-    if not layer_ids:
-        raise ContractError(
-            "hidden_states_missing",
-            "the target's runner captures no hidden states for the drafter (no DFlash target layer "
-            "ids): is the algorithm treated as DFlash-family? Check that the ddtree plugin is loaded "
-            "(SGLANG_PLUGINS) in the scheduler processes.",
-        )
     fc = draft_model.fc
     fc_in = int(getattr(fc, "in_features", None) or fc.input_size)  # nn.Linear or ReplicatedLinear
     hidden = int(model_config.hidden_size)
+    if not layer_ids:
+        # Without layer ids SGLang hands the drafter the target's last hidden state, [N, hidden]: the
+        # message says so in the words (and numbers) the rollout's diagnosis reads.
+        raise ContractError(
+            "hidden_width_mismatch",
+            f"drafter fc expects [N, {fc_in}] but the target captures [N, {hidden}] (hidden_width_mismatch: "
+            "the target's runner has no DFlash target layer ids, so the drafter would get the target's "
+            "last hidden state): is the algorithm treated as DFlash-family? Check that the ddtree plugin "
+            "is loaded (SGLANG_PLUGINS) in the scheduler processes.",
+            expected=fc_in,
+            capture_width=hidden,
+        )
     check_loaded_widths(hidden, list(layer_ids), fc_in)
     return HiddenContract(
         target_hidden_size=hidden,
