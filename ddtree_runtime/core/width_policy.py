@@ -1,7 +1,12 @@
 """Which verify width pays at each batch size (issue 41, "The width follows the batch"): per captured
 batch size, the width whose expected tokens per second is highest, from each width's expected tokens per
-round (counterfactual acceptance, blended with a prior until enough rounds are scored) over what a round
-of that width costs at that batch size (the server's own price table).
+round (blended with a prior until enough rounds are counted) over what a round of that width costs at
+that batch size (the server's own price table).
+
+Which counts to feed it: a width's own rounds where it ran (its own score is exact), and for a width
+that has not run, the counterfactual estimate only as its prior. Off-policy estimates run 3-7 % low
+(docs/counterfactual-acceptance.md, "Why the estimate runs low"), which would hold a server on the
+width it started with.
 
 The answer is a host table, batch size -> width, recomputed between rounds from counts the host already
 holds; a round looks its batch size up (the bucket it pads into), so choosing reads nothing from the
