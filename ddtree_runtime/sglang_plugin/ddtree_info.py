@@ -46,12 +46,9 @@ def round_input(batch: Any, bonus_tokens: Any, mask_cells: int | None = None) ->
 
 
 def stop_ids(req: Any) -> frozenset[int]:
-    """Token ids that end this request: its stop_token_ids and EOS; none with ignore_eos, which in
-    SGLang 0.5.23 turns off every token-based finish, stop_token_ids included
-    (``Req._check_token_based_finish`` returns first): a round cut there would only be shorter."""
+    """Token ids that end this request (its stop_token_ids, plus EOS unless ignore_eos)."""
     params = req.sampling_params
-    if getattr(params, "ignore_eos", False):
-        return frozenset()
     ids = set(getattr(params, "stop_token_ids", None) or ())
-    ids |= set(getattr(req, "eos_token_ids", None) or ())
+    if not getattr(params, "ignore_eos", False):
+        ids |= set(getattr(req, "eos_token_ids", None) or ())
     return frozenset(int(i) for i in ids)
