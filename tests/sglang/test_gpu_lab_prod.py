@@ -211,3 +211,26 @@ def test_the_analysis_splits_each_stage_by_kernel_family_and_name(tmp_path):
 )
 def test_kernel_families_by_name(name, family):
     assert profile_gaps.kernel_family(name) == family
+
+
+def test_the_prices_switch_asks_for_the_table_and_the_case_reports_it():
+    spec = cases.prod_spec("ddtree15-fp32-prices-reuse")
+    assert cases.PRICE_FLAG in spec.extra and spec.extra[:2] == ["--load-format", "dummy"]
+    assert cases.PRICE_FLAG not in cases.prod_spec("ddtree15-fp32-reuse").extra
+    table = {"unit": "seconds", "method": "graphs", "repeats": 5, "measure_s": 0.2,
+             "entries": [{"width": "15", "batch_size": 1, "verify_s": 0.021, "rest_s": 0.003}]}  # fmt: skip
+
+    class Server:
+        def __init__(self, status, info):
+            self.answer = (status, info)
+
+        def request(self, path):
+            assert path == "/server_info"
+            return self.answer
+
+    got = cases._prices(Server(200, {"internal_states": [{}, {"ddtree_prices": table}]}))
+    assert got["prices"]["entries"][0]["verify_s"] == 0.021
+    assert "no price table" in cases._prices(Server(200, {"internal_states": [{}]}))["error"]
+    assert "no price table" in cases._prices(Server(503, "starting"))["error"]
+    bad = {**table, "entries": [{"width": "15", "batch_size": 1, "verify_s": -1.0, "rest_s": 0.003}]}
+    assert "verify_s" in cases._prices(Server(200, {"internal_states": [{"ddtree_prices": bad}]}))["error"]

@@ -277,6 +277,7 @@ def run_bench(
 # --- the production shape: Qwen3.6-27B with dummy weights ------------------------------------------
 PROD_DEFAULT = "dflash-fp32 ddtree16-fp32"
 PROD_PROFILE_LEVELS = (1, 8)  # issue 33: where a verify's time goes at batch 1 and 8
+PRICE_FLAG = "--speculative-ddtree-price-table"
 
 
 def prod_spec(word: str) -> Spec:
@@ -286,10 +287,13 @@ def prod_spec(word: str) -> Spec:
     the shape, in any order: ``-eager`` runs the tree round without its CUDA graphs
     (SGLANG_DDTREE_ROUND_GRAPHS=0), ``-reuse`` the GDN verify that keeps a parent's state in registers
     (SGLANG_DDTREE_GDN_REUSE_PARENT=1), ``-cf`` counterfactual scoring on 5 % of greedy rounds (its
-    cost against the same word without it)."""
+    cost against the same word without it), ``-prices`` the start-up price table
+    (``--speculative-ddtree-price-table``: the verify and the rest of a round at every captured batch size,
+    emitted as a ``prod_prices`` line)."""
     decoder, _, shape = word.partition("-")
     env: dict[str, str] = {}
     overrides: dict[str, Any] = {}
+    extra: list[str] = []
     shape, *switches = shape.split("-")
     for switch in switches:
         if switch == "eager":
@@ -298,8 +302,10 @@ def prod_spec(word: str) -> Spec:
             env["SGLANG_DDTREE_GDN_REUSE_PARENT"] = "1"
         elif switch == "cf":
             overrides["speculative-ddtree-counterfactual-fraction"] = 0.05
+        elif switch == "prices":
+            extra.append(PRICE_FLAG)
         else:
-            raise ValueError(f"{word!r}: unknown switch -{switch} (eager, reuse or cf)")
+            raise ValueError(f"{word!r}: unknown switch -{switch} (eager, reuse, cf or prices)")
     if decoder.endswith("base"):
         decoder = decoder[: -len("base")]
         base = baseline_env()
@@ -324,7 +330,7 @@ def prod_spec(word: str) -> Spec:
     elif decoder != "plain":
         raise ValueError(f"{word!r}: start with plain, dflash or ddtreeB")
     dummy = ["--load-format", "dummy"]
-    return Spec(f"prod-{word}", pair, algorithm, env=env, overrides=overrides, extra=dummy)
+    return Spec(f"prod-{word}", pair, algorithm, env=env, overrides=overrides, extra=dummy + extra)
 
 
 def profile_round(server: GpuServer, out: Path, level: int, steps: int = 24) -> dict[str, Any]:
@@ -356,6 +362,20 @@ def profile_round(server: GpuServer, out: Path, level: int, steps: int = 24) -> 
     return {"error": f"no trace in {out} after 150 s: {sorted(p.name for p in out.iterdir())}"}
 
 
+def _prices(server: GpuServer) -> dict[str, Any]:
+    """The server's start-up price table as /server_info shows it, or why there is none."""
+    from ddtree_runtime.health.sglang_client import BadAnswer, server_prices
+
+    status, info = server.request("/server_info")
+    try:
+        table = server_prices(info) if status == 200 else None
+    except BadAnswer as exc:
+        return {"error": str(exc)}
+    if table is None:
+        return {"error": f"no price table on /server_info (HTTP {status}); see the server's log"}
+    return {"prices": table.to_dict()}
+
+
 def run_prod(models: Path, log_dir: Path) -> None:
     """One 27B server at a time (each takes the GPU): start, bench, profile at 1 and 8, stop."""
     from ddtree_runtime.health.server_bench import bench_server
@@ -380,6 +400,8 @@ def run_prod(models: Path, log_dir: Path) -> None:
             pool = [ln[-300:] for ln in server.log.splitlines() if "max_total_num_tokens" in ln]
             emit({"case": "prod_start", "server": spec.name, "ready_s": server.ready_seconds,
                   "pool": pool[-1:]})  # fmt: skip
+            if PRICE_FLAG in spec.extra:
+                emit({"case": "prod_prices", "server": spec.name, **_prices(server)})
             rows = {}
             if os.environ.get("DDTREE_GPU_LAB_PROD_BENCH", "1") == "1":
                 rows = bench_server(
