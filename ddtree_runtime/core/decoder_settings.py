@@ -36,6 +36,8 @@ VALIDATED_MAX_BUDGET = 32
 MIN_BLOCK_SIZE = 2
 MAX_BLOCK_SIZE = 1024
 CHAIN = "chain"  # the chain's label: top-K cap 1 at budget block - 1 (DFlash's argmax chain)
+AUTO = "auto"  # the adaptive spelling of the budget flag: the widths :func:`auto_widths` names
+MAX_WIDTHS = 4  # widths one adaptive server verifies at most (each costs graphs and a price table)
 
 
 class SettingsError(ValueError):
@@ -47,6 +49,47 @@ def default_budget(block_size: int) -> int:
     as wide as DFlash's chain is long. The lab engine keeps a fixed default of its own
     (``tiny_engine/server_args.LAB_DEFAULT_BUDGET``)."""
     return block_size - 1
+
+
+def auto_widths(block_size: int) -> tuple[int, ...]:
+    """What ``--speculative-ddtree-budget auto`` verifies: block - 1 and 2 x block - 1 (16 and 32 verify
+    rows for a block of 16: whole tiles of the verify's 16-row GEMM and attention blocks), the wider
+    capped at :data:`MAX_BUDGET`; one width where the two coincide."""
+    narrow = default_budget(block_size)
+    wide = min(2 * block_size - 1, MAX_BUDGET)
+    return (narrow,) if wide <= narrow else (narrow, wide)
+
+
+def parse_budget(text: object, *, what: str = "--speculative-ddtree-budget") -> int | str | tuple[int, ...]:
+    """The budget flag's three spellings: a whole number (one width), ``auto``, or a comma list of two to
+    :data:`MAX_WIDTHS` budgets (``15,31``: the widths an adaptive server picks from each round, returned
+    sorted). SettingsError, naming ``what`` and the value, for anything else; limits are checked where the
+    block is known (:meth:`DecoderSettings.resolve`)."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    if isinstance(text, tuple | list):
+        parts = [str(p) for p in text]
+    elif isinstance(text, str):
+        word = text.strip()
+        if word == AUTO:
+            return AUTO
+        parts = word.split(",")
+    else:
+        raise SettingsError(f"{what} takes a whole number, '{AUTO}' or a comma list of budgets, got {text!r}")
+    values = []
+    for part in parts:
+        part = part.strip()
+        if not part.isascii() or not part.isdigit():
+            shown = ascii(text)[:60]
+            raise SettingsError(f"{what} takes a whole number, '{AUTO}' or a comma list (15,31), got {shown}")
+        values.append(int(part))
+    if len(values) == 1:
+        return values[0]
+    if len(set(values)) != len(values) or len(values) > MAX_WIDTHS:
+        raise SettingsError(
+            f"{what} lists {ascii(text)[:60]}: give 2..{MAX_WIDTHS} different budgets, each once"
+        )
+    return tuple(sorted(values))
 
 
 def _whole(value: object) -> bool:
@@ -64,6 +107,9 @@ class DecoderSettings:
     budget: int
     block_size: int
     topk_cap: int | None = None
+    # Adaptive: the budgets the server may verify, narrowest first, ``budget`` the widest (it sizes the
+    # KV window); each round verifies the one that pays at its batch size (core/width_policy). (): one.
+    widths: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not _whole(self.block_size) or not MIN_BLOCK_SIZE <= self.block_size <= MAX_BLOCK_SIZE:
@@ -78,16 +124,64 @@ class DecoderSettings:
             )
         if self.topk_cap is not None and (not _whole(self.topk_cap) or self.topk_cap < 1):
             raise SettingsError(f"--speculative-ddtree-topk-cap must be at least 1, got {self.topk_cap!r}")
+        if self.widths:
+            self._check_widths()
+
+    def _check_widths(self) -> None:
+        w = self.widths
+        if not isinstance(w, tuple) or not 2 <= len(w) <= MAX_WIDTHS or not all(_whole(b) for b in w):
+            raise SettingsError(f"adaptive widths {w!r}: give 2..{MAX_WIDTHS} whole budgets")
+        if list(w) != sorted(set(w)) or w[-1] != self.budget:
+            raise SettingsError(f"adaptive widths {w!r}: each once, narrowest first, the widest = the budget")
+        if w[0] < 1:
+            raise SettingsError(f"adaptive widths {w!r}: every budget is at least 1")
+        if self.topk_cap == 1:
+            raise SettingsError(
+                "--speculative-ddtree-topk-cap 1 is the chain, which has one width: drop the cap or give "
+                "--speculative-ddtree-budget one number"
+            )
 
     @classmethod
-    def resolve(cls, budget: int | None, block_size: int, topk_cap: int | None = None) -> DecoderSettings:
-        """The one resolve rule: a budget not given is :func:`default_budget` of the block."""
-        return cls(default_budget(block_size) if budget is None else budget, block_size, topk_cap)
+    def resolve(
+        cls, budget: int | str | tuple[int, ...] | None, block_size: int, topk_cap: int | None = None
+    ) -> DecoderSettings:
+        """The one resolve rule: a budget not given is :func:`default_budget` of the block; ``auto`` is
+        :func:`auto_widths` of the block; a list (or its text, ``15,31``) is those widths (adaptive)."""
+        if budget is None:
+            return cls(default_budget(block_size), block_size, topk_cap)
+        spec = parse_budget(budget)
+        if spec == AUTO:
+            if not _whole(block_size) or not MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE:
+                return cls(1, block_size, topk_cap)  # __post_init__ names the block
+            spec = auto_widths(block_size)
+            if len(spec) == 1:
+                return cls(spec[0], block_size, topk_cap)
+        if isinstance(spec, tuple):
+            for b in spec:
+                cls(b, block_size, topk_cap)  # each width within the limits, its message if not
+            return cls(spec[-1], block_size, topk_cap, spec)
+        return cls(spec, block_size, topk_cap)
 
     @classmethod
     def chain(cls, block_size: int) -> DecoderSettings:
         """DFlash's argmax chain as DDTREE spells it: top-K cap 1 at budget block - 1."""
         return cls(default_budget(block_size), block_size, 1)
+
+    @property
+    def adaptive(self) -> bool:
+        """More than one width: each round verifies the one its batch size pays for."""
+        return bool(self.widths)
+
+    @property
+    def budgets(self) -> tuple[int, ...]:
+        """Every budget the server may verify, narrowest first (one for a fixed setting)."""
+        return self.widths or (self.budget,)
+
+    def at_budget(self, budget: int) -> DecoderSettings:
+        """One of :attr:`budgets` as a fixed setting (what a round of that width decodes with)."""
+        if budget not in self.budgets:
+            raise SettingsError(f"budget {budget} is not one of this server's widths {list(self.budgets)}")
+        return DecoderSettings(budget, self.block_size, self.topk_cap)
 
     @property
     def horizon(self) -> int:
@@ -125,14 +219,19 @@ class DecoderSettings:
     @property
     def label(self) -> str | None:
         """The canonical label (``chain`` or the decimal budget) ``ddtree tune`` and the counterfactual
-        counters use; None for a capped tree, which no label names."""
+        counters use; None for a capped tree or an adaptive server, which no one label names."""
         if self.is_chain:
             return CHAIN
-        return str(self.budget) if self.topk_cap is None else None
+        return str(self.budget) if self.topk_cap is None and not self.widths else None
 
-    def flags(self) -> dict[str, int | None]:
+    @property
+    def budget_flag(self) -> int | str:
+        """The budget flag's value: the number, or the widths as a comma list (``15,31``)."""
+        return ",".join(str(b) for b in self.widths) if self.widths else self.budget
+
+    def flags(self) -> dict[str, int | str | None]:
         """The two profile flags that select it (profiles.yml spelling; None leaves a flag out)."""
-        return {"speculative-ddtree-budget": self.budget, "speculative-ddtree-topk-cap": self.topk_cap}
+        return {"speculative-ddtree-budget": self.budget_flag, "speculative-ddtree-topk-cap": self.topk_cap}
 
 
 def parse_label(text: object, *, what: str = "a setting") -> str:

@@ -132,3 +132,94 @@ class WidthPolicy:
         if batch_size < 1 or at == len(sizes):
             raise WidthPolicyError(f"batch size {batch_size}: outside the captured sizes 1..{sizes[-1]}")
         return self.table[sizes[at]]
+
+
+DEFAULT_EXPLORE_ROWS = 256  # request-rounds each width runs before its own mean is trusted
+DEFAULT_REVISIT_EVERY = 64  # one round in this many runs a width the table did not pick (keeps it measured)
+
+
+@dataclass
+class WidthChooser:
+    """What an adaptive server's rounds ask (host only, no device read): :meth:`choose` the width for a
+    round of ``batch_size`` requests, :meth:`observe` the cumulative tokens each width's rounds emitted
+    (read back from the device asynchronously, with the request-rounds dispatched when the copy was
+    made).
+
+    First every width runs (the least-run width each round) until each has ``explore_rows`` observed
+    request-rounds; then a :class:`WidthPolicy` on the widths' own means (no prior left: each was
+    measured on its own rounds) and the server's prices picks per batch size, and one round in
+    ``revisit_every`` runs the least-observed other width so an unpicked width's mean stays current as
+    traffic changes."""
+
+    widths: tuple[str, ...]
+    prices: Mapping[tuple[str, int], float]
+    explore_rows: int = DEFAULT_EXPLORE_ROWS
+    revisit_every: int = DEFAULT_REVISIT_EVERY
+    margin: float = DEFAULT_MARGIN
+    policy: WidthPolicy | None = None
+    rounds: int = 0
+    dispatched_rows: dict[str, int] = field(default_factory=dict)
+    rounds_run: dict[str, int] = field(default_factory=dict)
+    observed: dict[str, tuple[float, int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.widths) < 2 or len(set(self.widths)) != len(self.widths):
+            raise WidthPolicyError(f"widths {self.widths!r}: an adaptive server picks among 2 or more")
+        for w in self.widths:
+            if not any(width == w for width, _ in self.prices):
+                raise WidthPolicyError(f"width {w} has no price: the server prices every width it can run")
+        if self.explore_rows < 1 or self.revisit_every < 0:
+            raise WidthPolicyError(
+                f"explore_rows {self.explore_rows} must be at least 1, revisit_every {self.revisit_every} "
+                "at least 0 (0: never)"
+            )
+        for w in self.widths:
+            self.dispatched_rows.setdefault(w, 0)
+            self.rounds_run.setdefault(w, 0)
+        self._sizes = sorted({size for _, size in self.prices})
+
+    @property
+    def exploring(self) -> bool:
+        return self.policy is None
+
+    def choose(self, batch_size: int) -> str:
+        """The width of the next round (``batch_size`` requests); counts it as dispatched."""
+        if batch_size < 1:
+            raise WidthPolicyError(f"batch size {batch_size}: a round has at least one request")
+        self.rounds += 1
+        if self.policy is None:
+            width = min(self.widths, key=lambda w: (self.dispatched_rows[w], self.widths.index(w)))
+        else:
+            # Beyond the largest priced size the largest one's choice stands (the eager path's sizes).
+            width = self.policy.width_for(min(batch_size, self._sizes[-1]))
+            if self.revisit_every and self.rounds % self.revisit_every == 0:
+                others = [w for w in self.widths if w != width]
+                width = min(others, key=lambda w: (self.observed.get(w, (0.0, 0))[1], self.widths.index(w)))
+        self.dispatched_rows[width] += batch_size
+        self.rounds_run[width] += 1
+        return width
+
+    def observe(self, tokens: Mapping[str, float], rows: Mapping[str, int]) -> None:
+        """Cumulative emitted tokens and request-rounds per width since start (``rows`` as dispatched when
+        ``tokens`` was copied). Ends exploration once every width has ``explore_rows``; updates the table."""
+        for w in self.widths:
+            n = int(rows.get(w, 0))
+            if n > 0 and tokens.get(w, 0) > 0:
+                self.observed[w] = (float(tokens[w]) / n, n)
+        if self.policy is None:
+            if all(self.observed.get(w, (0.0, 0))[1] >= self.explore_rows for w in self.widths):
+                means = {w: self.observed[w][0] for w in self.widths}
+                self.policy = WidthPolicy(self.widths, means, self.prices, prior_rounds=0, margin=self.margin)
+            return
+        self.policy.update(self.observed)
+
+    def to_dict(self) -> dict[str, object]:
+        """What /server_info shows: the state, the table (batch size -> width), each width's own mean."""
+        return {
+            "widths": list(self.widths),
+            "exploring": self.exploring,
+            "table": {str(size): w for size, w in (self.policy.table if self.policy else {}).items()},
+            "tokens_per_round": {w: round(m, 4) for w, (m, _) in self.observed.items()},
+            "observed_rows": {w: n for w, (_, n) in self.observed.items()},
+            "rounds": dict(self.rounds_run),
+        }

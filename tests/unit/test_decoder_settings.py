@@ -152,3 +152,46 @@ def test_the_probe_bounds_a_round_by_the_settings(tmp_path) -> None:
     assert verdict(16.0, tree16) and not verdict(16.5, tree16)
     assert verdict(16.0, {"budget": 15, "topk_cap": 1, "block_size": 16})  # the chain
     assert verdict(16.0, {"budget": "x", "block_size": 16})  # no budget to read: the block bounds it
+
+
+def test_auto_and_a_list_resolve_to_widths_the_widest_sizing_the_window() -> None:
+    from ddtree_runtime.core.decoder_settings import AUTO, auto_widths
+
+    auto = DecoderSettings.resolve(AUTO, 16)
+    assert auto.widths == auto_widths(16) == (15, 31) and auto.budget == 31 and auto.adaptive
+    assert (auto.verify_rows, auto.kv_window, auto.label) == (32, 32, None)  # no one label names it
+    assert auto.at_budget(15) == DecoderSettings(15, 16) and auto.at_budget(31) == DecoderSettings(31, 16)
+    assert auto.flags()["speculative-ddtree-budget"] == "15,31"
+    listed = DecoderSettings.resolve("31, 7,15", 16, 8)  # sorted, capped alike
+    assert listed.widths == (7, 15, 31) and listed.at_budget(7) == DecoderSettings(7, 16, 8)
+    assert DecoderSettings.resolve((15, 31), 16) == auto
+    assert DecoderSettings.resolve("16", 16) == DecoderSettings(16, 16)
+    assert not DecoderSettings(16, 16).adaptive
+    assert DecoderSettings(16, 16).budgets == (16,)
+    assert auto_widths(MAX_BUDGET + 1) == (MAX_BUDGET,)  # the two coincide at the cap: one width
+    with pytest.raises(SettingsError, match="not one of this server's widths"):
+        auto.at_budget(16)
+
+
+@pytest.mark.parametrize(
+    ("budget", "cap", "message"),
+    [
+        ("15,15", None, "each once"),
+        ("1,2,3,4,5", None, "2..4 different budgets"),
+        ("15,x", None, "comma list"),
+        ("15,1024", None, "1..1023"),
+        ("0,15", None, "1..1023"),
+        ("auto", 1, "the chain, which has one width"),
+        (1.5, None, "whole number"),
+    ],
+)
+def test_bad_widths_are_refused_with_the_rule(budget: object, cap: int | None, message: str) -> None:
+    with pytest.raises(SettingsError, match=message):
+        DecoderSettings.resolve(budget, 16, cap)  # type: ignore[arg-type]
+
+
+def test_hand_built_widths_must_agree_with_the_budget() -> None:
+    assert DecoderSettings(31, 16, None, (15, 31)).adaptive
+    for widths in ((31, 15), (15, 16), (15,), (15, 15, 31)):
+        with pytest.raises(SettingsError, match="adaptive widths"):
+            DecoderSettings(31, 16, None, widths)

@@ -112,3 +112,56 @@ def test_bad_input_is_refused_with_the_reason(kwargs, message):
     }
     with pytest.raises(WidthPolicyError, match=message):
         WidthPolicy(**{**args, **kwargs})
+
+
+def _chooser(**kwargs):
+    from ddtree_runtime.core.width_policy import WidthChooser
+
+    prices = _prices({"16": 0.02, "32": 0.02}, {"16": 17, "32": 33})
+    return WidthChooser(("16", "32"), prices, **kwargs)
+
+
+def _run(chooser, sizes, tokens_per_round: dict[str, float]) -> None:
+    """Rounds at the given batch sizes; the device's counts read back after each (cumulative)."""
+    tokens = chooser.__dict__.setdefault("_test_tokens", {w: 0.0 for w in chooser.widths})
+    for size in sizes:
+        width = chooser.choose(size)
+        tokens[width] += tokens_per_round[width] * size
+        chooser.observe(tokens, dict(chooser.dispatched_rows))
+
+
+def test_the_chooser_runs_every_width_then_picks_by_its_own_rounds():
+    chooser = _chooser(explore_rows=8, revisit_every=0)
+    _run(chooser, [1] * 15, {"16": 5.0, "32": 5.6})
+    assert chooser.exploring  # 32 has 7 of its 8 request-rounds
+    _run(chooser, [1], {"16": 5.0, "32": 5.6})
+    assert not chooser.exploring
+    assert chooser.rounds_run == {"16": 8, "32": 8}  # alternated while exploring
+    assert chooser.policy.table[1] == "32" and chooser.policy.table[16] == "16"
+    assert [chooser.choose(1), chooser.choose(16)] == ["32", "16"]
+    # the same prices with a tree that accepts no more at 32 rows: the narrow one everywhere
+    flat = _chooser(explore_rows=8, revisit_every=0)
+    _run(flat, [1] * 16 + [16] * 40, {"16": 5.0, "32": 5.0})
+    assert set(flat.policy.table.values()) == {"16"}
+
+
+def test_the_chooser_revisits_the_width_it_does_not_pick():
+    chooser = _chooser(explore_rows=4, revisit_every=8)
+    _run(chooser, [16] * 4, {"16": 5.0, "32": 5.0})
+    picked = [chooser.choose(16) for _ in range(32)]
+    assert picked.count("32") == 4 and picked.count("16") == 28  # one round in eight
+    assert chooser.choose(99) == "16"  # beyond the largest priced size: the largest size's choice
+
+
+def test_the_chooser_refuses_what_it_cannot_choose_from():
+    from ddtree_runtime.core.width_policy import WidthChooser
+
+    prices = _prices({"16": 0.02}, {"16": 17})
+    with pytest.raises(WidthPolicyError, match="width 32 has no price"):
+        WidthChooser(("16", "32"), prices)
+    with pytest.raises(WidthPolicyError, match="2 or more"):
+        WidthChooser(("16",), prices)
+    with pytest.raises(WidthPolicyError, match="at least one request"):
+        _chooser().choose(0)
+    state = _chooser().to_dict()
+    assert state["exploring"] and state["table"] == {} and state["rounds"] == {"16": 0, "32": 0}
