@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -119,11 +121,30 @@ class DDTreeSpecAlgo(CustomSpecAlgo):
         return max(int(w) for w in widths) if widths else None
 
     def get_num_tokens_per_req_for_target_verify(self, num_draft_tokens: int, is_draft_worker: bool) -> int:
-        # The drafter runs its block (bonus + masks); the target verifies the tree (budget + 1).
+        # The drafter runs its block (bonus + masks); the target verifies the tree (budget + 1), or, inside
+        # ``verify_width``, one narrower width of an adaptive server.
         settings = published_settings()
         if settings is None:
             return num_draft_tokens
-        return settings.decoder.block_size if is_draft_worker else settings.decoder.verify_rows
+        if is_draft_worker:
+            return settings.decoder.block_size
+        return _verify_rows_override or settings.decoder.verify_rows
+
+
+# Set only inside ``verify_width``: what SGLang's runners take as the target's verify rows (its dummy forwards
+# size their inputs by it), so an adaptive server's start-up prices each width with SGLang's own passes.
+_verify_rows_override: int | None = None
+
+
+@contextmanager
+def verify_width(rows: int | None) -> Iterator[None]:
+    """SGLang's runners see ``rows`` verify rows a request while inside (None: the server's widest)."""
+    global _verify_rows_override
+    saved, _verify_rows_override = _verify_rows_override, rows
+    try:
+        yield
+    finally:
+        _verify_rows_override = saved
 
 
 def published_settings() -> PluginSettings | None:
@@ -230,13 +251,21 @@ def resolve_server_args(server_args: Any) -> None:
     declare_resolution(record, RESOLUTION_SOURCE, **declared)
     resolved = PluginSettings(
         decoder, allow_hybrid=args.allow_hybrid, hybrid_kind=kind, contract=contract,
-        counterfactual=counterfactual, price_table=args.price_table,
+        counterfactual=counterfactual, price_table=args.price_table or decoder.adaptive,
     )  # fmt: skip
     setattr(record, RESOLVED_ATTR, resolved)
-    logger.info(
-        "DDTREE: budget %d (verify width %d), drafter block %d, top-k cap %s",
-        decoder.budget, decoder.verify_rows, decoder.block_size, decoder.topk_cap,
-    )
+    if decoder.adaptive:
+        logger.info(
+            "DDTREE: adaptive budgets %s (verify widths %s, each round the one its batch size pays for; KV "
+            "window %d), drafter block %d, top-k cap %s",
+            list(decoder.budgets), [b + 1 for b in decoder.budgets], decoder.kv_window, decoder.block_size,
+            decoder.topk_cap,
+        )  # fmt: skip
+    else:
+        logger.info(
+            "DDTREE: budget %d (verify width %d), drafter block %d, top-k cap %s",
+            decoder.budget, decoder.verify_rows, decoder.block_size, decoder.topk_cap,
+        )
     if not decoder.validated:
         logger.warning(
             "DDTREE budget %d is above %d, the largest shown lossless on the H200 with CUDA graphs on "

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ddtree_runtime.core.counterfactual import DEFAULT_BUDGETS, DEFAULT_FRACTION
-from ddtree_runtime.core.decoder_settings import MAX_BUDGET
+from ddtree_runtime.core.decoder_settings import AUTO, MAX_BUDGET, MAX_WIDTHS, SettingsError, parse_budget
 
 # The SGLang plugin scores no round unless asked: the hook landed in a session without a device, so
 # neither the whole GPU suite with it on nor its cost at the production shape has run yet (issue 41).
@@ -32,7 +32,8 @@ RECORD_ATTR = "_ddtree_cli"
 class DDTreeArgs:
     """The DDTREE flags as parsed: what the operator asked for, before the drafter's block is known."""
 
-    budget: int | None = None  # None: decoder_settings.default_budget (block - 1)
+    # None: decoder_settings.default_budget (block - 1); "auto" or a tuple: adaptive widths.
+    budget: int | str | tuple[int, ...] | None = None
     topk_cap: int | None = None
     allow_hybrid: bool = False
     # Counterfactual acceptance (docs/counterfactual-acceptance.md): checked at resolution
@@ -70,11 +71,13 @@ def add_ddtree_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("DDTREE speculative decoding (ddtree-runtime plugin)")
     group.add_argument(
         "--speculative-ddtree-budget",
-        type=_positive_int("--speculative-ddtree-budget", MAX_BUDGET),
+        type=_budget,
         default=None,
         help="DDTREE only. Tree nodes per request and round (not counting the root); the target "
         f"verifies budget + 1 tokens, independent of the drafter's block size. At most {MAX_BUDGET}. "
-        "Default: block_size - 1.",
+        f"Default: block_size - 1. '{AUTO}' or a comma list of 2..{MAX_WIDTHS} budgets (15,31): adaptive, "
+        "each round verifies the width that pays at its batch size, from the server's own prices and each "
+        f"width's own acceptance ('{AUTO}': block - 1 and 2 x block - 1; docs/adaptive-width.md).",
     )
     group.add_argument(
         "--speculative-ddtree-topk-cap",
@@ -118,6 +121,18 @@ def add_ddtree_arguments(parser: argparse.ArgumentParser) -> None:
         "/server_info (internal_states[i].ddtree_prices) and /metrics (sglang:ddtree_price_*), where "
         "`ddtree tune --url` prices rounds with it. Default off for now (docs/price-table.md).",
     )
+
+
+def _budget(text: str) -> int | str | tuple[int, ...]:
+    """One budget, ``auto`` or a comma list (``core/decoder_settings.parse_budget``); a number is
+    range-checked here, widths where the block is known (resolution)."""
+    try:
+        value = parse_budget(text)
+    except SettingsError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if isinstance(value, int):
+        return _positive_int("--speculative-ddtree-budget", MAX_BUDGET)(str(value))
+    return value
 
 
 TRUE_WORDS = ("true", "1", "yes", "on")

@@ -29,6 +29,8 @@ Configurations the tree round cannot serve are refused at worker start with the 
 from __future__ import annotations
 
 import logging
+import os
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -50,6 +52,10 @@ from ddtree_runtime.sglang_plugin.refusals.worker_start import (
 from ddtree_runtime.sglang_plugin.round.bounds import verify_mask_cells
 
 logger = logging.getLogger(__name__)
+
+# Request-rounds each width of an adaptive server runs before its own mean is trusted
+# (core/width_policy.DEFAULT_EXPLORE_ROWS unless set).
+EXPLORE_ROWS_ENV = "SGLANG_DDTREE_WIDTH_EXPLORE_ROWS"
 
 
 class DDTreeWorker(DFlashWorkerV2):
@@ -122,6 +128,7 @@ class DDTreeWorker(DFlashWorkerV2):
         self._counterfactual()
         # Last, once every graph exists: the round's prices, timed now and never in a served round.
         self._ddtree_prices = self._measure_prices() if self.ddtree_settings.price_table else None
+        self._ddtree_width_choice = self._width_choice()
 
     def _measure_prices(self) -> Any:
         """The start-up price table (``price_table``), published on /metrics; None (logged) for the chain
@@ -131,21 +138,72 @@ class DDTreeWorker(DFlashWorkerV2):
             return None
         from ddtree_runtime.core.round_prices import width_label
         from ddtree_runtime.sglang_plugin.price_stages import worker_stages
-        from ddtree_runtime.sglang_plugin.price_table import measure_prices
+        from ddtree_runtime.sglang_plugin.price_table import measure_prices, merge_tables
 
         decoder = self.ddtree_settings.decoder
+        tables = []
         try:
-            sizes, stages, method, sync = worker_stages(self, self._round_config(), self._round_graphs)
-            table = measure_prices(width_label(decoder.budget, chain=False), sizes, stages, method=method,
-                                   sync=sync)  # fmt: skip
+            sizes = None  # every width at the widest one's batch sizes (an adaptive server compares them)
+            for budget in reversed(decoder.budgets):
+                graphs = self._graphs_for(budget)
+                sizes, stages, method, sync = worker_stages(
+                    self, self._round_config(budget), graphs, sizes=sizes,
+                    rows=budget + 1 if budget != decoder.budget else None,
+                )  # fmt: skip
+                label = width_label(budget, chain=False)
+                tables.append(measure_prices(label, sizes, stages, method=method, sync=sync))
         except Exception as exc:  # a price table must not stop a server that serves
             logger.warning("DDTREE: no price table (%s: %s)", type(exc).__name__, exc, exc_info=True)
             return None
+        table = merge_tables(tables)
         if self._ddtree_metrics is not None and _publishing_rank():
             from ddtree_runtime.sglang_plugin.price_metrics import PriceMetrics
 
             PriceMetrics().publish(table)
         return table
+
+    def _graphs_for(self, budget: int) -> Any:
+        """The round graphs of a width: the widest's (SGLang captured the target's verify at that width
+        only); a narrower width of an adaptive server runs its rounds and its verify eagerly."""
+        if budget != self.ddtree_settings.decoder.budget:
+            return None
+        return getattr(self, "_round_graphs", None)
+
+    def _width_choice(self) -> Any:
+        """An adaptive server's per-round width (``round/width_choice``), over its price table; None for a
+        fixed budget, or (logged) without prices: then every round verifies the widest width."""
+        decoder = self.ddtree_settings.decoder
+        if not decoder.adaptive:
+            return None
+        prices = self.__dict__.get("_ddtree_prices")
+        if prices is None:
+            logger.warning("DDTREE: adaptive widths %s have no price table: every round verifies budget %d.",
+                           list(decoder.budgets), decoder.budget)  # fmt: skip
+            return None
+        from ddtree_runtime.sglang_plugin.round.width_choice import WidthChoice
+        from ddtree_runtime.sglang_plugin.warmup import RID_PREFIX
+
+        publish = None
+        if self._ddtree_metrics is not None and _publishing_rank():
+            from ddtree_runtime.sglang_plugin.width_metrics import WidthMetrics
+
+            publish = WidthMetrics().publish
+        runner = self.target_worker.model_runner
+        device = torch.device(runner.device if isinstance(runner.device, str) else str(runner.device))
+        explore = os.environ.get(EXPLORE_ROWS_ENV)  # a test's short exploration; the default otherwise
+        extra = {"explore_rows": int(explore)} if explore else {}
+        choice = WidthChoice(
+            decoder.budgets, prices, device, warmup_prefix=RID_PREFIX, publish=publish, **extra
+        )
+        logger.info("DDTREE: adaptive widths %s, chosen per round from prices at batch sizes %s",
+                    list(decoder.budgets), sorted({b for _, b in choice.chooser.prices}))  # fmt: skip
+        return choice
+
+    def ddtree_widths(self) -> dict[str, Any] | None:
+        """An adaptive server's width choice as ``/server_info`` shows it
+        (``internal_states[i].ddtree_widths``)."""
+        choice = self.__dict__.get("_ddtree_width_choice")
+        return choice.to_dict() if choice is not None else None
 
     def ddtree_prices(self) -> dict[str, Any] | None:
         """The start-up price table as ``/server_info`` shows it (``internal_states[i].ddtree_prices``)."""
@@ -246,12 +304,14 @@ class DDTreeWorker(DFlashWorkerV2):
             )
         draft_input = batch.spec_info
         runner = self.target_worker.model_runner
-        cfg = self._round_config()
+        choice = self.__dict__.get("_ddtree_width_choice")
+        budget, counted = choice.pick(batch.reqs) if choice is not None else (None, False)
+        cfg = self._round_config(budget)
         if batch.seq_lens.is_cuda:
             # Carried over from the previous overlap iteration, possibly made on another stream
             # (as DFlashWorkerV2's decode does).
             batch.seq_lens.record_stream(torch.cuda.current_stream(batch.seq_lens.device))
-        models = self._scored_models(batch)
+        models = self._scored_models(batch, budget)
         commit_state = None
         if getattr(self, "_need_mamba_verify_commit", False):
             # GDN hybrid: the accepted node's recurrent state, committed after the walk and the
@@ -273,8 +333,10 @@ class DDTreeWorker(DFlashWorkerV2):
             # Published as soon as the lengths are final, before the drafter's context append
             # (DFlashWorkerV2 does the same): the overlap scheduler's next resolve may go on.
             on_lengths=on_publish,
-            graphs=getattr(self, "_round_graphs", None),
+            graphs=self._graphs_for(cfg.budget),
         )
+        if counted:
+            choice.count(budget, result.commit_lens)  # device add; read back later, asynchronously
         scoring = getattr(self, "_ddtree_scoring", None)
         if scoring:
             scoring.after_tree_round(result.graph_bucket)  # a sampled graph round's draft logits
@@ -298,28 +360,33 @@ class DDTreeWorker(DFlashWorkerV2):
             indexer_topk_output=getattr(target_out, "indexer_topk_output", None),
         )
 
-    def _round_config(self) -> Any:
+    def _round_config(self, budget: int | None = None) -> Any:
+        """The round's configuration at ``budget`` (one of an adaptive server's widths; None: the server's
+        budget, its widest). Every width writes the server's one KV window (what SGLang reserves)."""
         from ddtree_runtime.sglang_plugin.gdn_verify_kernel import reuse_parent_on
         from ddtree_runtime.sglang_plugin.round.tree_round import RoundConfig
 
         runner = self.target_worker.model_runner
-        return RoundConfig.from_settings(
-            self.ddtree_settings.decoder,
+        decoder = self.ddtree_settings.decoder
+        at = decoder if budget is None or budget == decoder.budget else decoder.at_budget(budget)
+        cfg = RoundConfig.from_settings(
+            at,
             mask_token_id=int(self._mask_token_id),
             page_size=int(runner.token_to_kv_pool_allocator.page_size),
             depth_first=reuse_parent_on(),  # the rows the parent reuse keeps in registers
         )
+        return replace(cfg, window=decoder.kv_window) if at is not decoder else cfg
 
-    def _round_models(self, batch: Any) -> Any:
+    def _round_models(self, batch: Any, budget: int | None = None) -> Any:
         """The round's model passes (``tree_round.RoundModels``): SGLang's runners."""
         from ddtree_runtime.sglang_plugin.round.sglang_models import SGLangRoundModels
 
-        return SGLangRoundModels(self, batch)
+        return SGLangRoundModels(self, batch, budget=budget)
 
-    def _scored_models(self, batch: Any) -> Any:
+    def _scored_models(self, batch: Any, budget: int | None = None) -> Any:
         """:meth:`_round_models`, the drafter's head output teed to counterfactual scoring on a sampled
         round."""
-        models = self._round_models(batch)
+        models = self._round_models(batch) if budget is None else self._round_models(batch, budget)
         scoring = getattr(self, "_ddtree_scoring", None)
         return scoring.models(models, int(self.block_size)) if scoring else models
 

@@ -32,13 +32,18 @@ logger = logging.getLogger(__name__)
 EAGER_SIZES = (1, 2, 4, 8)  # batch sizes priced where nothing was captured (CPU, --disable-cuda-graph)
 
 
-def forward_at(runner: Any, max_bs: int) -> tuple[Callable[[int], Callable[[], object]], bool]:
+def forward_at(
+    runner: Any, max_bs: int, *, rows: int | None = None
+) -> tuple[Callable[[int], Callable[[], object]], bool]:
     """``bs -> run`` for one model runner's verify-shaped forward, and whether it replays a CUDA graph
-    (every size ``graph_sizes`` lists has one) or runs eagerly."""
+    (every size ``graph_sizes`` lists has one) or runs eagerly. ``rows``: a narrower width of an adaptive
+    server (verify rows a request), whose verify SGLang captured no graph for: eager, at that width."""
+    from ddtree_runtime.sglang_plugin.algorithm import verify_width
+
     graph_runner = getattr(runner, "decode_cuda_graph_runner", None)
     backend = getattr(graph_runner, "backend", None)
     eager = getattr(runner, "eager_runner", None)
-    if backend is not None and graph_runner is not eager:
+    if backend is not None and graph_runner is not eager and rows is None:
         from sglang.srt.model_executor.runner.shape_key import ShapeKey
 
         def replay(bs: int) -> Callable[[], object]:
@@ -50,12 +55,16 @@ def forward_at(runner: Any, max_bs: int) -> tuple[Callable[[int], Callable[[], o
         return replay, True
     if eager is None:
         raise LookupError("the model runner has neither captured graphs nor an eager runner")
-    with _fill_value(runner.attn_backend):
+    with _fill_value(runner.attn_backend), verify_width(rows):
         width = runner.decode_num_tokens_per_req()
         buffers = eager._alloc_dummy_decode_buffers(max_bs, num_tokens_per_req=width)
 
     def dummy(bs: int) -> Callable[[], object]:
-        return lambda: eager._dummy_run(bs, buffers=buffers)
+        def run() -> object:
+            with verify_width(rows):  # SGLang's dummy forward sizes its verify by the hook's answer
+                return eager._dummy_run(bs, buffers=buffers)
+
+        return run
 
     return dummy, False
 
@@ -125,24 +134,37 @@ def drafter_at(
     return lambda: models.draft_hidden(block_ids, positions, cache_loc, rows)
 
 
-def worker_stages(worker: Any, cfg: RoundConfig, graphs: RoundGraphs | None) -> tuple[
+def worker_stages(
+    worker: Any, cfg: RoundConfig, graphs: RoundGraphs | None, *, sizes: list[int] | None = None,
+    rows: int | None = None,
+) -> tuple[
     list[int], Callable[[int], tuple[Callable[[], object], Callable[[], object]]], str, Callable[[], None]
 ]:  # fmt: skip
-    """(batch sizes, ``bs -> (verify, rest)``, method, device sync) for a tree worker. The sizes are the
-    round graphs' buckets where they were captured, else :data:`EAGER_SIZES` up to the running limit."""
+    """(batch sizes, ``bs -> (verify, rest)``, method, device sync) for a tree worker. The sizes are
+    ``sizes`` where given (an adaptive server prices every width at its widest one's), else the round
+    graphs' buckets where they were captured, else :data:`EAGER_SIZES` up to the running limit. ``rows``:
+    a narrower width's verify rows (:func:`forward_at`)."""
     runner = worker.target_worker.model_runner
     device = torch.device(runner.device if isinstance(runner.device, str) else str(runner.device))
-    if graphs is not None and graphs.buckets:
+    if sizes is not None:
+        sizes = sorted(sizes)
+    elif graphs is not None and graphs.buckets:
         sizes = sorted(graphs.buckets)
     else:
         limit = int(getattr(runner.req_to_token_pool, "size", 0) or max(EAGER_SIZES))
         sizes = [s for s in EAGER_SIZES if s <= limit] or [1]
-    verify_at, verify_graphs = forward_at(runner, max(sizes))
-    stages = graphs if graphs is not None and graphs.buckets else pricing_graphs(worker, cfg, sizes, device)
-    method = "graphs" if verify_graphs and graphs is not None and graphs.buckets else "eager"
+    verify_at, verify_graphs = forward_at(runner, max(sizes), rows=rows)
+    own = graphs is not None and graphs.buckets and all(s in graphs.buckets for s in sizes)
+    stages = graphs if own else pricing_graphs(worker, cfg, sizes, device)
+    method = "graphs" if verify_graphs and own else "eager"
+    graph_runner = getattr(runner, "decode_cuda_graph_runner", None)
+    # The drafter's block replays its graph where SGLang captured any (what a served round does).
+    drafter_graphs = getattr(graph_runner, "backend", None) is not None and graph_runner is not getattr(
+        runner, "eager_runner", None
+    )
 
     def at(bs: int) -> tuple[Callable[[], object], Callable[[], object]]:
-        draft, bucket = drafter_at(worker, cfg, bs, device, graphs=verify_graphs), stages.buckets[bs]
+        draft, bucket = drafter_at(worker, cfg, bs, device, graphs=drafter_graphs), stages.buckets[bs]
 
         def rest() -> None:
             draft()

@@ -66,3 +66,18 @@ def measure_prices(
     logger.info("DDTREE: round prices (%s, width %s) at batch sizes %s in %.1f s", method, width,
                 sorted(b for _, b in prices), table.measure_s)  # fmt: skip
     return table
+
+
+def merge_tables(tables: list[PriceTable]) -> PriceTable:
+    """One table from each width's (an adaptive server's); its method is ``eager`` where any width's was (a
+    narrower width verifies eagerly on a GPU while the widest replays SGLang's graphs)."""
+    if not tables:
+        raise ValueError("no price table to merge")
+    if len(tables) == 1:
+        return tables[0]
+    methods = {t.method for t in tables}
+    method = "eager" if "eager" in methods else tables[0].method
+    if len(methods) > 1:
+        logger.info("DDTREE: round prices by width: %s", {t.widths()[0]: t.method for t in tables})
+    prices = {key: price for t in tables for key, price in t.prices.items()}
+    return PriceTable(prices, method, tables[0].repeats, sum(t.measure_s for t in tables))

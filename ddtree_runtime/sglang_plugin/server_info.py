@@ -34,6 +34,8 @@ def add_to_server_info(result: dict[str, Any], server_args: Any, *args: Any, **k
         return result
     result["ddtree_runtime_version"] = __version__  # which build serves (the canary compares it)
     result["speculative_ddtree_budget"] = settings.decoder.budget
+    if settings.decoder.adaptive:  # the budget above is the widest; each round picks one of these
+        result["speculative_ddtree_widths"] = list(settings.decoder.budgets)
     result["speculative_ddtree_topk_cap"] = settings.decoder.topk_cap
     result["speculative_ddtree_allow_hybrid"] = settings.allow_hybrid
     # What the scheduler decides its loop by (Scheduler.enable_overlap): on for trees and the chain,
@@ -54,6 +56,10 @@ def add_to_internal_state(
     table = prices() if callable(prices) else None
     if table is not None:  # --speculative-ddtree-price-table (price_table.py)
         state["ddtree_prices"] = table
+    widths = getattr(worker, "ddtree_widths", None)
+    choice = widths() if callable(widths) else None
+    if choice is not None:  # an adaptive server (round/width_choice.py)
+        state["ddtree_widths"] = choice
 
 
 async def remember_live_handshake(original: Any, *args: Any, **kwargs: Any) -> Any:

@@ -24,6 +24,9 @@ NAME = "ddtree_batches"
 NEW_TOKENS = 4  # a few decode rounds at the batch size
 PROMPT_TOKENS = 8
 FALLBACK_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16)
+# Its requests' ids start so: an adaptive server's width choice cycles its widths on them, uncounted
+# (round/width_choice.py).
+RID_PREFIX = "ddtree-warmup-"
 
 
 def warmup_sizes(capture_bs: Any, max_running: int | None) -> list[int]:
@@ -87,8 +90,9 @@ async def _warm_batches(disaggregation_mode: str, tokenizer_manager: Any) -> Non
                 GenerateReqInput(
                     input_ids=[rng.randrange(10, max(11, vocab - 1)) for _ in range(PROMPT_TOKENS)],
                     sampling_params=dict(params),
+                    rid=f"{RID_PREFIX}{n}-{temperature}-{i}-{rng.getrandbits(32):08x}",
                 )
-                for _ in range(n)
+                for i in range(n)
             ]
             if disaggregation_mode != "null":
                 from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST

@@ -35,31 +35,56 @@ def test_a_bad_switch_value_is_refused_by_the_parser_with_the_words_it_takes(sgl
     )
 
 
-def _worker(*, budget: int = 7, block: int = 4, cap: int | None = None, on: bool = True):
+def _worker(*, budget: int | str = 7, block: int = 4, cap: int | None = None, on: bool = True):
     from ddtree_runtime.sglang_plugin.algorithm import PluginSettings
     from ddtree_runtime.sglang_plugin.ddtree_worker import DDTreeWorker
 
     worker = object.__new__(DDTreeWorker)  # no GPU, no runners: the stages are stubbed
-    worker.ddtree_settings = PluginSettings(DecoderSettings(budget, block, cap), price_table=on)
+    worker.ddtree_settings = PluginSettings(DecoderSettings.resolve(budget, block, cap), price_table=on)
     worker._ddtree_metrics = None
-    worker._round_graphs = None
-    worker._round_config = lambda: None
+    worker._round_graphs = "the widest width's graphs"
+    worker._round_config = lambda budget=None: ("cfg", budget)
     return worker
 
 
-def _stubbed_stages(monkeypatch, calls: list[int], fail: bool = False) -> None:
+def test_an_adaptive_server_prices_every_width_at_the_widest_ones_sizes(monkeypatch):
+    calls: list[int] = []
+    stages = _stubbed_stages(monkeypatch, calls)
+    worker = _worker(budget="3,7")
+    table = worker._measure_prices()
+    assert table.widths() == ["3", "7"] and table.batch_sizes("3") == table.batch_sizes("7") == [1, 2]
+    # the widest first with its graphs; the narrower at the widest's sizes, verify rows 4 (SGLang's dummy
+    # forward sized by the plugin's hook), no graphs (its verify and round run eagerly)
+    assert stages.asked == [(("cfg", 7), None, None), (("cfg", 3), [1, 2], 4)]
+    assert worker._graphs_for(7) == "the widest width's graphs" and worker._graphs_for(3) is None
+    worker._ddtree_prices = table
+    worker._target_worker = SimpleNamespace(model_runner=SimpleNamespace(device="cpu"))
+    worker._ddtree_width_choice = choice = worker._width_choice()
+    assert choice.budgets == (3, 7) and choice.chooser.exploring
+    assert worker.ddtree_widths()["widths"] == ["3", "7"]
+    worker._ddtree_prices = None
+    assert worker._width_choice() is None  # no prices: every round verifies the widest width
+    assert _worker()._width_choice() is None  # a fixed budget chooses nothing
+
+
+def _stubbed_stages(monkeypatch, calls: list[int], fail: bool = False):
     from ddtree_runtime.sglang_plugin import price_stages
 
-    def stages(worker, cfg, graphs):
+    def stages(worker, cfg, graphs, *, sizes=None, rows=None):
         if fail:
             raise LookupError("no captured graph at batch size 3")
+        asked.append((cfg, sizes, rows))
 
         def at(bs: int):
             return (lambda: calls.append(bs)), (lambda: calls.append(-bs))
 
-        return [1, 2], at, "eager", lambda: None
+        return sizes or [1, 2], at, "eager", lambda: None
+
+    asked: list = []
+    stages.asked = asked  # type: ignore[attr-defined]
 
     monkeypatch.setattr(price_stages, "worker_stages", stages)
+    return stages
 
 
 def test_the_worker_measures_each_batch_size_once_at_start_and_keeps_the_table(monkeypatch):

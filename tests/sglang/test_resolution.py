@@ -83,7 +83,8 @@ def test_dflash_resolution_is_unchanged_by_the_plugin(sglang_plugins, pair):
     ("value", "message"),
     [
         ("0", "--speculative-ddtree-budget must be at least 1, got 0"),
-        ("many", "--speculative-ddtree-budget takes a whole number, got 'many'"),
+        ("many", "--speculative-ddtree-budget takes a whole number, 'auto' or a comma list (15,31), got"),
+        ("15,15", "give 2..4 different budgets, each once"),
         ("5000", "--speculative-ddtree-budget must be at most 1023"),
     ],
 )
@@ -94,6 +95,28 @@ def test_bad_budget_is_rejected_by_sglangs_parser(sglang_plugins, pair, capsys, 
         prepare_server_args(ddtree_argv(*pair, "--speculative-ddtree-budget", value))
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_auto_resolves_to_two_widths_the_widest_reserving_the_window(sglang_plugins, pair):
+    record, cfg = resolve(ddtree_argv(*pair, "--speculative-ddtree-budget", "auto"))
+    settings = record._ddtree_resolved
+    assert settings.decoder == DecoderSettings(31, 16, None, (15, 31)) and settings.decoder.adaptive
+    assert cfg.speculative_num_draft_tokens == 32  # the widest width's verify rows: what SGLang reserves
+    assert settings.price_table  # an adaptive server chooses by its own prices: measured whatever the flag
+    capped = ("--speculative-ddtree-budget", "4,15", "--speculative-ddtree-topk-cap", "8")
+    record, cfg = resolve(ddtree_argv(*pair, *capped))
+    assert record._ddtree_resolved.decoder == DecoderSettings(15, 16, 8, (4, 15))
+    assert cfg.speculative_num_draft_tokens == 16
+
+
+def test_auto_widths_out_of_range_or_on_the_chain_fail_resolution_with_the_rule(sglang_plugins, pair):
+    from ddtree_runtime.sglang_plugin.refusals.resolution import DDTreeConfigError
+
+    chain = ("--speculative-ddtree-budget", "auto", "--speculative-ddtree-topk-cap", "1")
+    with pytest.raises(DDTreeConfigError, match="chain, which has one width"):
+        resolve(ddtree_argv(*pair, *chain))
+    with pytest.raises(DDTreeConfigError, match=r"1\.\.1023"):
+        resolve(ddtree_argv(*pair, "--speculative-ddtree-budget", "15,2000"))
 
 
 def test_bad_topk_cap_is_rejected_by_sglangs_parser(sglang_plugins, pair, capsys):

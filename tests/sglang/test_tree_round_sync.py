@@ -154,3 +154,41 @@ def test_the_commit_leaves_a_reassigned_row_alone():
     want, _ = toy.target.kv_rows(tokens, 5 + torch.arange(n))
     assert torch.allclose(keys[window[:n]], want)
     assert not torch.equal(keys_before[window[:n]], keys[window[:n]])
+
+
+def test_an_adaptive_worker_switches_widths_between_rounds_reads_nothing_back_and_stays_lossless():
+    """Budgets 3 and 7 (``--speculative-ddtree-budget 3,7``): exploration alternates the widths each round,
+    so both run inside one batch's life; the round still reads nothing back (its tokens are counted on the
+    device; the readback is asynchronous and held off here) and stays the target's greedy continuation."""
+    import math
+
+    from ddtree_runtime.core.decoder_settings import DecoderSettings
+    from ddtree_runtime.core.round_prices import PriceTable, RoundPrice
+    from ddtree_runtime.sglang_plugin.algorithm import PluginSettings
+    from ddtree_runtime.sglang_plugin.round.width_choice import WidthChoice
+    from tests.sglang.test_tree_decode_worker import _worker as _plain_worker
+
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6, 5, 3, 5, 8, 9, 7]]
+    settings = PluginSettings(DecoderSettings.resolve("3,7", BLOCK))
+    worker, toy, rows, bonus, _ = _plain_worker(1, settings, prompts)
+    req_pool = worker._target_worker.model_runner.req_to_token_pool
+    req_pool.req_to_token = on_device(req_pool.req_to_token)
+    calls: list[str] = []
+    budgets: list[int | None] = []
+
+    def models(batch, budget=None):
+        budgets.append(budget)
+        return GuardedModels(toy, calls)
+
+    worker._round_models = models
+    prices = PriceTable({(w, b): RoundPrice(0.01, 0.001) for w in ("3", "7") for b in (1, 2)}, "eager", 5)
+    choice = WidthChoice((3, 7), prices, torch.device("cpu"), warmup_prefix="warm-")
+    choice._next = math.inf  # no readback in these rounds (its copy is a host read on the guard's device)
+    choice.tokens = on_device(choice.tokens)
+    worker._ddtree_width_choice = choice
+    out = _decode(worker, rows, bonus, prompts, 6, calls=calls)
+    for p, got in zip(prompts, out, strict=True):
+        assert got == toy.target.reference_greedy(p, len(got))
+    assert budgets == [3, 7] * 3  # the widths alternated, each round its own
+    emitted = sum(len(o) - 1 for o in out)
+    assert int(on_host(choice.tokens).sum()) == emitted  # every emitted token counted on its width

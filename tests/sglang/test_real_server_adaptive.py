@@ -1,0 +1,110 @@
+"""An adaptive DDTREE server (``--speculative-ddtree-budget 4,16``: two verify widths, each round the one the
+server's own prices and each width's own acceptance pay for) inside the real SGLang 0.5.23 server, on this
+CPU, with the lab's tiny dense pair, launched as ct131 launches it.
+
+What must hold whatever width a round picks: greedy output token-identical to the plain server, for a batch
+and with requests joining a running batch while the widths alternate (exploration) and after the server has
+chosen (a short exploration, ``SGLANG_DDTREE_WIDTH_EXPLORE_ROWS``); /server_info shows the widths and the
+choice; /metrics counts rounds per width. One server at a time; the plain reference first."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.sglang._real_server import RealServer
+from tests.unit._tiny_engine import lab_models
+
+pytestmark = [pytest.mark.sglang, pytest.mark.slow]
+
+PROMPTS = [
+    "The capital of France is",
+    "the cat sees",
+    "a dog finds the",
+    "the river and the stone",
+    "<|im_start|>user\nthe old fox watches<|im_end|>\n<|im_start|>assistant\n",
+    "the small bird sings while the wind",
+]
+NEW_TOKENS = 40
+WIDTHS = (4, 16)
+EXPLORE_ROWS = 24  # request-rounds per width before the server picks by its own figures
+
+
+@pytest.fixture(scope="module")
+def models() -> Path:
+    return lab_models()
+
+
+@pytest.fixture(scope="module")
+def reference(models: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
+    with RealServer(models / "target", None, log_dir=tmp_path_factory.mktemp("plain")) as server:
+        server.wait_ready()
+        return {p: server.generate(p, NEW_TOKENS)["output_ids"] for p in PROMPTS}
+
+
+def _widths_state(server: RealServer) -> dict:
+    status, info = server.request("/server_info")
+    assert status == 200, info
+    states = [s["ddtree_widths"] for s in info.get("internal_states", []) if "ddtree_widths" in s]
+    assert states, f"no ddtree_widths in /server_info: {json.dumps(info)[:2000]}"
+    return {"info": info, "widths": states[0]}
+
+
+def _rounds_metric(text: str) -> dict[str, float]:
+    pattern = r'^sglang:ddtree_width_rounds_total\{[^}]*width="(\d+)"[^}]*\} ([0-9.e+]+)$'
+    found = re.findall(pattern, text, re.M)
+    return {w: float(v) for w, v in found}
+
+
+def test_greedy_output_is_the_plain_servers_whatever_width_each_round_verifies(
+    models: Path, reference: dict[str, list[int]], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    extra = ["--speculative-ddtree-budget", ",".join(map(str, WIDTHS)), "--enable-metrics"]
+    env = {"SGLANG_DDTREE_WIDTH_EXPLORE_ROWS": str(EXPLORE_ROWS)}
+    log_dir = tmp_path_factory.mktemp("adaptive")
+    with RealServer(models / "target", models / "draft", log_dir=log_dir, extra=extra, env=env) as server:
+        ready = server.wait_ready()
+        state = _widths_state(server)
+        info, widths = state["info"], state["widths"]
+        assert info["speculative_ddtree_widths"] == list(WIDTHS) and info["speculative_ddtree_budget"] == 16
+        assert widths["exploring"] and widths["widths"] == [str(w) for w in WIDTHS]
+        tables = [s.get("ddtree_prices", {}) for s in info["internal_states"]]
+        prices = {e["width"] for t in tables for e in t.get("entries", [])}
+        assert prices == {str(w) for w in WIDTHS}, prices  # every width priced at start-up
+
+        # A batch while the widths alternate, then requests joining a running batch, three times over: the
+        # server leaves exploration on the way (EXPLORE_ROWS) and every answer stays the plain server's.
+        started = time.monotonic()
+        for _ in range(3):
+            answers = server.generate(PROMPTS, NEW_TOKENS)
+            for prompt, answer in zip(PROMPTS, answers, strict=True):
+                assert answer["output_ids"] == reference[prompt], prompt
+            joined: dict[str, list[int]] = {}
+
+            def ask(prompt: str, into: dict[str, list[int]] = joined) -> None:
+                into[prompt] = server.generate(prompt, NEW_TOKENS)["output_ids"]
+
+            threads = []
+            for prompt in PROMPTS:
+                threads.append(threading.Thread(target=ask, args=(prompt,)))
+                threads[-1].start()
+                time.sleep(0.15)  # each joins a batch already decoding
+            for t in threads:
+                t.join(timeout=300)
+            assert joined == reference
+        time.sleep(1.5)  # the last counts read back (every 0.5 s) and published
+        server.generate(PROMPTS[:1], 8)
+        widths = _widths_state(server)["widths"]
+        rounds = _rounds_metric(server.metrics())
+    assert all(widths["rounds"][str(w)] > 0 for w in WIDTHS), widths  # both widths verified rounds
+    assert not widths["exploring"] and widths["table"], widths  # the server chose per batch size
+    assert set(widths["table"].values()) <= {str(w) for w in WIDTHS}
+    assert all(widths["tokens_per_round"][str(w)] >= 1.0 for w in WIDTHS), widths
+    assert set(rounds) == {str(w) for w in WIDTHS} and all(v > 0 for v in rounds.values()), rounds
+    print(json.dumps({"scenario": "adaptive_widths", "ready_seconds": ready,
+                      "generate_seconds": round(time.monotonic() - started, 1), **widths}))  # fmt: skip
