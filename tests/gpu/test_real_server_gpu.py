@@ -58,6 +58,8 @@ NEW_TOKENS = 64
 CONFIGS = {  # name: (pair, budget, page size)
     "dense-b16": ("dense", 16, 1), "dense-b16-p16": ("dense", 16, 16), "dense-b32": ("dense", 32, 1),
     "hybrid-b16": ("hybrid", 16, 1), "hybrid-b16-p16": ("hybrid", 16, 16), "hybrid-b32": ("hybrid", 32, 1),
+    # adaptive widths (block - 1 and 2 x block - 1): each round the width its batch size pays for
+    "dense-auto": ("dense", "auto", 1), "hybrid-auto": ("hybrid", "auto", 1),
 }  # fmt: skip
 SAMPLE_PROMPT, SAMPLES, SAMPLE_TOKENS, P_FLOOR = "the cat sees", 600, 4, 1e-4
 # The tree servers run under SGLang's overlap scheduler (the plugin's default) unless
@@ -239,7 +241,8 @@ def _decode_syncs(server, worker: str, batch: int) -> list[dict]:
     return [r for r in parse(server.log)[seen:] if r["worker"] == worker]
 
 
-WATCHED = ["dense-b16", "dense-b16-p16", "hybrid-b16", "hybrid-b16-p16", "dense-b32"]
+WATCHED = ["dense-b16", "dense-b16-p16", "hybrid-b16", "hybrid-b16-p16", "dense-b32",
+           "dense-auto", "hybrid-auto"]  # fmt: skip
 
 
 @pytest.mark.parametrize("config", WATCHED)
@@ -287,6 +290,22 @@ def test_requests_finishing_and_joining_every_round_are_token_identical(servers,
                            [PROMPTS[i % len(PROMPTS)] for i in range(len(lengths))])
     report("churn", config=config, **verdict.figures(), near_tie_positions=verdict.near_ties)
     assert verdict.ok, verdict.failures[:3]
+
+
+@pytest.mark.parametrize("config", ["dense-auto", "hybrid-auto"])
+def test_an_adaptive_server_prices_and_runs_each_width_and_says_what_it_chose(servers, config):
+    """After the suite's traffic on it (batch 1, 4 and 16): every width priced at start-up, every width ran
+    rounds (exploration at least), and the server reports its table (the figures: its choice per batch
+    size against the prices, for the adaptive-width issue's evidence)."""
+    status, info = _server(servers, config).request("/server_info")
+    assert status == 200
+    widths = [str(w) for w in info["speculative_ddtree_widths"]]
+    states = [s for s in info.get("internal_states", []) if "ddtree_widths" in s]
+    assert states, "no ddtree_widths in /server_info"
+    choice, prices = states[0]["ddtree_widths"], states[0].get("ddtree_prices", {})
+    report("adaptive_widths", config=config, **choice, prices=prices)
+    assert {e["width"] for e in prices.get("entries", [])} == set(widths)
+    assert all(choice["rounds"].get(w, 0) > 0 for w in widths), choice
 
 
 READY_LINE = "The server is fired up and ready to roll"

@@ -107,6 +107,16 @@ def test_prod_specs_name_the_decoder_and_the_ssm_dtype():
             cases.prod_spec(bad)
 
 
+def test_prod_and_bench_specs_take_adaptive_widths(monkeypatch):
+    assert cases.prod_spec("ddtreeauto-fp32").overrides["speculative-ddtree-budget"] == "auto"
+    assert cases.prod_spec("ddtree15x31-dense8b").overrides["speculative-ddtree-budget"] == "15,31"
+    monkeypatch.setenv("DDTREE_GPU_LAB_BUDGETS", "16 auto 15,31")
+    monkeypatch.setenv("DDTREE_GPU_LAB_PAIRS", "hybrid")
+    budgets = {s.name: s.overrides.get("speculative-ddtree-budget") for s in cases.bench_specs()}
+    assert budgets["hybrid-ddtree-b16"] == 16 and budgets["hybrid-ddtree-bauto"] == "auto"
+    assert budgets["hybrid-ddtree-b15,31"] == "15,31"
+
+
 def test_the_label_counted_is_the_one_sglang_writes():
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.utils.profile_utils import build_step_span_name

@@ -219,7 +219,9 @@ def _pairs() -> tuple[str, ...]:
 def bench_specs() -> list[Spec]:
     idle = ["--sleep-on-idle"]
     specs = []
-    budgets = tuple(int(b) for b in os.environ.get("DDTREE_GPU_LAB_BUDGETS", "").split()) or BENCH_BUDGETS
+    # A word is a budget, ``auto`` or a comma list of widths (an adaptive server: docs/adaptive-width.md).
+    words = os.environ.get("DDTREE_GPU_LAB_BUDGETS", "").split()
+    budgets = tuple(int(b) if b.isdigit() else b for b in words) or BENCH_BUDGETS
     for pair in _pairs():
         specs += [Spec(f"{pair}-plain", pair, extra=idle), Spec(f"{pair}-dflash", pair, "DFLASH", extra=idle)]
         for budget in budgets:
@@ -327,8 +329,11 @@ def prod_spec(word: str) -> Spec:
     elif decoder.startswith("ddtree") and decoder[6:].isdigit():
         algorithm = "DDTREE"
         overrides["speculative-ddtree-budget"] = int(decoder[6:])
+    elif decoder.startswith("ddtree") and (decoder[6:] == "auto" or decoder[6:].replace("x", "").isdigit()):
+        algorithm = "DDTREE"  # ddtreeauto, or ddtree15x31: adaptive widths (15,31)
+        overrides["speculative-ddtree-budget"] = decoder[6:].replace("x", ",")
     elif decoder != "plain":
-        raise ValueError(f"{word!r}: start with plain, dflash or ddtreeB")
+        raise ValueError(f"{word!r}: start with plain, dflash, ddtreeB, ddtreeauto or ddtreeAxB")
     dummy = ["--load-format", "dummy"]
     return Spec(f"prod-{word}", pair, algorithm, env=env, overrides=overrides, extra=dummy + extra)
 
