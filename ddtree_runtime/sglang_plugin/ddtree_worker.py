@@ -114,6 +114,8 @@ class DDTreeWorker(DFlashWorkerV2):
             check_tree_graphs(self.target_worker.model_runner)
         super().init_cuda_graphs()
         self._round_graphs = None
+        self._round_graphs_by_width: dict[int, Any] = {}
+        self._ddtree_width_runners: dict[int, Any] = {}
         if not is_chain(self.ddtree_settings):
             # After SGLang's captures, before the server says ready: the round's own graphs, and
             # with them every Triton kernel the round launches, compiled now (round_graphs).
@@ -122,7 +124,13 @@ class DDTreeWorker(DFlashWorkerV2):
             cfg = self._round_config()
             if cfg.depth_first:
                 logger.info("DDTREE: verify rows depth first (GDN parents' states kept in registers).")
+            self._ddtree_width_runners = self._build_width_runners()
             self._round_graphs = round_graphs_for_worker(self, cfg)
+            self._round_graphs_by_width[cfg.budget] = self._round_graphs
+            for budget in self._ddtree_width_runners:  # a narrower width's graphs on its own backend
+                with self._width_bound(budget):
+                    graphs = round_graphs_for_worker(self, self._round_config(budget))
+                self._round_graphs_by_width[budget] = graphs
         # Counterfactual scoring, built (and its candidates' tree builds compiled) before the server says
         # ready, not at the first decode round under traffic (counterfactual_hook.build_scoring).
         self._counterfactual()
@@ -144,14 +152,18 @@ class DDTreeWorker(DFlashWorkerV2):
         tables = []
         try:
             sizes = None  # every width at the widest one's batch sizes (an adaptive server compares them)
+            runners = self.__dict__.get("_ddtree_width_runners") or {}
             for budget in reversed(decoder.budgets):
                 graphs = self._graphs_for(budget)
-                sizes, stages, method, sync = worker_stages(
-                    self, self._round_config(budget), graphs, sizes=sizes,
-                    rows=budget + 1 if budget != decoder.budget else None,
-                )  # fmt: skip
-                label = width_label(budget, chain=False)
-                tables.append(measure_prices(label, sizes, stages, method=method, sync=sync))
+                # A narrower width with its own runtime is priced bound to it; without, eagerly at its rows.
+                own = budget == decoder.budget or budget in runners
+                with self._width_bound(budget):
+                    rows = None if own else budget + 1
+                    sizes, stages, method, sync = worker_stages(
+                        self, self._round_config(budget), graphs, sizes=sizes, rows=rows
+                    )
+                    label = width_label(budget, chain=False)
+                    tables.append(measure_prices(label, sizes, stages, method=method, sync=sync))
         except Exception as exc:  # a price table must not stop a server that serves
             logger.warning("DDTREE: no price table (%s: %s)", type(exc).__name__, exc, exc_info=True)
             return None
@@ -163,11 +175,40 @@ class DDTreeWorker(DFlashWorkerV2):
         return table
 
     def _graphs_for(self, budget: int) -> Any:
-        """The round graphs of a width: the widest's (SGLang captured the target's verify at that width
-        only); a narrower width of an adaptive server runs its rounds and its verify eagerly."""
-        if budget != self.ddtree_settings.decoder.budget:
-            return None
-        return getattr(self, "_round_graphs", None)
+        """The round graphs of a width: the widest's; a narrower width's where it has verify graphs of its
+        own (``round/width_runners``), else None: its rounds and its verify run eagerly."""
+        by_width = self.__dict__.get("_round_graphs_by_width")
+        if by_width is None:  # built by hand (tests): the widest width's graphs only
+            widest = budget == self.ddtree_settings.decoder.budget
+            return getattr(self, "_round_graphs", None) if widest else None
+        return by_width.get(budget)
+
+    def _build_width_runners(self) -> dict[int, Any]:
+        """An adaptive server's narrower widths' own attention backends and verify graphs, with
+        ``SGLANG_DDTREE_WIDTH_GRAPHS=1`` (``round/width_runners``); {} otherwise, or (logged) when they
+        cannot be built: those widths then run eagerly."""
+        from ddtree_runtime.sglang_plugin.round import width_runners
+
+        decoder = self.ddtree_settings.decoder
+        if not decoder.adaptive or not width_runners.wanted():
+            return {}
+        try:
+            return width_runners.build_width_runners(self.target_worker.model_runner, decoder.budgets)
+        except Exception as exc:  # the widest width still serves; the narrower ones run eagerly
+            logger.warning("DDTREE: no runtime of their own for widths %s (%s: %s): they run eagerly",
+                           list(decoder.budgets[:-1]), type(exc).__name__, exc, exc_info=True)  # fmt: skip
+            return {}
+
+    def _width_bound(self, budget: int | None) -> Any:
+        """The target's model runner bound to ``budget``'s own backend and graphs while inside (a narrower
+        width that has them); nothing changes otherwise."""
+        from contextlib import nullcontext
+
+        from ddtree_runtime.sglang_plugin.round.width_runners import bound
+
+        runners = self.__dict__.get("_ddtree_width_runners") or {}
+        width = runners.get(budget) if budget is not None else None
+        return nullcontext() if width is None else bound(self.target_worker.model_runner, width)
 
     def _width_choice(self) -> Any:
         """An adaptive server's per-round width (``round/width_choice``), over its price table; None for a
@@ -321,20 +362,22 @@ class DDTreeWorker(DFlashWorkerV2):
             def commit_state(accept_index: torch.Tensor, commit_lens: torch.Tensor) -> None:
                 commit_tree_state(self.target_worker, batch, accept_index, commit_lens, cfg.verify_rows)
 
-        result = run_tree_round(
-            models,
-            round_input(batch, draft_input.bonus_tokens, mask_cells=verify_mask_cells(batch, cfg, runner)),
-            cfg,
-            req_to_token=runner.req_to_token_pool.req_to_token,
-            kv_pool=runner.token_to_kv_pool,
-            contract=self._ddtree_contract,
-            on_hidden=self._observe_hidden,
-            commit_state=commit_state,
-            # Published as soon as the lengths are final, before the drafter's context append
-            # (DFlashWorkerV2 does the same): the overlap scheduler's next resolve may go on.
-            on_lengths=on_publish,
-            graphs=self._graphs_for(cfg.budget),
-        )
+        with self._width_bound(budget):  # a narrower width's own backend and graphs, where it has them
+            cells = verify_mask_cells(batch, cfg, runner)
+            result = run_tree_round(
+                models,
+                round_input(batch, draft_input.bonus_tokens, mask_cells=cells),
+                cfg,
+                req_to_token=runner.req_to_token_pool.req_to_token,
+                kv_pool=runner.token_to_kv_pool,
+                contract=self._ddtree_contract,
+                on_hidden=self._observe_hidden,
+                commit_state=commit_state,
+                # Published as soon as the lengths are final, before the drafter's context append
+                # (DFlashWorkerV2 does the same): the overlap scheduler's next resolve may go on.
+                on_lengths=on_publish,
+                graphs=self._graphs_for(cfg.budget),
+            )
         if counted:
             choice.count(budget, result.commit_lens)  # device add; read back later, asynchronously
         scoring = getattr(self, "_ddtree_scoring", None)

@@ -95,7 +95,9 @@ def servers():
             extra.append("--speculative-ddtree-price-table")
         if not OVERLAP:
             extra.append("--disable-overlap-schedule")
-        specs.append(Spec(name, pair, "DDTREE", env=env, overrides=over, extra=extra))
+        # An adaptive server's narrower width on its own backend and verify graphs (round/width_runners).
+        own = {"SGLANG_DDTREE_WIDTH_GRAPHS": "1"} if budget == "auto" and new else {}
+        specs.append(Spec(name, pair, "DDTREE", env={**env, **own}, overrides=over, extra=extra))
     logs = Path(os.environ.get("DDTREE_GPU_LAB_LOGS", "/tmp/gpulab/logs")) / "suite"
     started = start_all(specs, Path(MODELS), logs)
     yield started

@@ -61,12 +61,17 @@ def _rounds_metric(text: str) -> dict[str, float]:
     return {w: float(v) for w, v in found}
 
 
+@pytest.mark.parametrize("own_runtime", [False, True], ids=["narrow-eager", "narrow-own-backend"])
 def test_greedy_output_is_the_plain_servers_whatever_width_each_round_verifies(
-    models: Path, reference: dict[str, list[int]], tmp_path_factory: pytest.TempPathFactory
+    models: Path, reference: dict[str, list[int]], tmp_path_factory: pytest.TempPathFactory, own_runtime: bool
 ) -> None:
+    """``own_runtime``: the narrower width verifies on an attention backend of its own, swapped onto the
+    target's model runner around its rounds (SGLANG_DDTREE_WIDTH_GRAPHS=1; on a GPU also its own verify
+    graphs), else on the widest width's."""
     extra = ["--speculative-ddtree-budget", ",".join(map(str, WIDTHS)), "--enable-metrics"]
-    env = {"SGLANG_DDTREE_WIDTH_EXPLORE_ROWS": str(EXPLORE_ROWS)}
-    log_dir = tmp_path_factory.mktemp("adaptive")
+    env = {"SGLANG_DDTREE_WIDTH_EXPLORE_ROWS": str(EXPLORE_ROWS),
+           "SGLANG_DDTREE_WIDTH_GRAPHS": "1" if own_runtime else "0"}  # fmt: skip
+    log_dir = tmp_path_factory.mktemp("adaptive-own" if own_runtime else "adaptive")
     with RealServer(models / "target", models / "draft", log_dir=log_dir, extra=extra, env=env) as server:
         ready = server.wait_ready()
         state = _widths_state(server)
@@ -106,5 +111,7 @@ def test_greedy_output_is_the_plain_servers_whatever_width_each_round_verifies(
     assert set(widths["table"].values()) <= {str(w) for w in WIDTHS}
     assert all(widths["tokens_per_round"][str(w)] >= 1.0 for w in WIDTHS), widths
     assert set(rounds) == {str(w) for w in WIDTHS} and all(v > 0 for v in rounds.values()), rounds
-    print(json.dumps({"scenario": "adaptive_widths", "ready_seconds": ready,
+    own = "its own attention backend" in server.log
+    assert own is own_runtime, "the narrower width's backend was (not) built as asked"
+    print(json.dumps({"scenario": "adaptive_widths", "own_runtime": own_runtime, "ready_seconds": ready,
                       "generate_seconds": round(time.monotonic() - started, 1), **widths}))  # fmt: skip
