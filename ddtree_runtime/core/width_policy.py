@@ -136,6 +136,8 @@ class WidthPolicy:
 
 DEFAULT_EXPLORE_ROWS = 256  # request-rounds each width runs before its own mean is trusted
 DEFAULT_REVISIT_EVERY = 64  # one round in this many runs a width the table did not pick (keeps it measured)
+# A width's mean follows traffic: request-rounds this many back weigh half as much as the latest.
+DEFAULT_HALF_LIFE_ROWS = 4096
 
 
 @dataclass
@@ -156,11 +158,14 @@ class WidthChooser:
     explore_rows: int = DEFAULT_EXPLORE_ROWS
     revisit_every: int = DEFAULT_REVISIT_EVERY
     margin: float = DEFAULT_MARGIN
+    half_life_rows: int = DEFAULT_HALF_LIFE_ROWS
     policy: WidthPolicy | None = None
     rounds: int = 0
     dispatched_rows: dict[str, int] = field(default_factory=dict)
     rounds_run: dict[str, int] = field(default_factory=dict)
+    # per width: (its mean tokens per request-round, decayed by half_life_rows; request-rounds observed)
     observed: dict[str, tuple[float, int]] = field(default_factory=dict)
+    _seen: dict[str, tuple[float, int]] = field(default_factory=dict, repr=False)  # last cumulative counts
 
     def __post_init__(self) -> None:
         if len(self.widths) < 2 or len(set(self.widths)) != len(self.widths):
@@ -168,10 +173,10 @@ class WidthChooser:
         for w in self.widths:
             if not any(width == w for width, _ in self.prices):
                 raise WidthPolicyError(f"width {w} has no price: the server prices every width it can run")
-        if self.explore_rows < 1 or self.revisit_every < 0:
+        if self.explore_rows < 1 or self.revisit_every < 0 or self.half_life_rows < 1:
             raise WidthPolicyError(
-                f"explore_rows {self.explore_rows} must be at least 1, revisit_every {self.revisit_every} "
-                "at least 0 (0: never)"
+                f"explore_rows {self.explore_rows} and half_life_rows {self.half_life_rows} must be at least "
+                f"1, revisit_every {self.revisit_every} at least 0 (0: never)"
             )
         for w in self.widths:
             self.dispatched_rows.setdefault(w, 0)
@@ -201,11 +206,23 @@ class WidthChooser:
 
     def observe(self, tokens: Mapping[str, float], rows: Mapping[str, int]) -> None:
         """Cumulative emitted tokens and request-rounds per width since start (``rows`` as dispatched when
-        ``tokens`` was copied). Ends exploration once every width has ``explore_rows``; updates the table."""
+        ``tokens`` was copied). Each width's mean moves toward what its rounds since the last call emitted,
+        by their weight against ``half_life_rows``. Ends exploration once every width has ``explore_rows``;
+        updates the table."""
         for w in self.widths:
-            n = int(rows.get(w, 0))
-            if n > 0 and tokens.get(w, 0) > 0:
-                self.observed[w] = (float(tokens[w]) / n, n)
+            n, total = int(rows.get(w, 0)), float(tokens.get(w, 0))
+            last_total, last_n = self._seen.get(w, (0.0, 0))
+            fresh = n - last_n
+            if fresh <= 0 or total < last_total:
+                continue
+            self._seen[w] = (total, n)
+            recent = (total - last_total) / fresh
+            if w not in self.observed:
+                self.observed[w] = (recent, n)
+                continue
+            weight = 1 - 0.5 ** (fresh / self.half_life_rows)
+            mean = self.observed[w][0]
+            self.observed[w] = (mean + weight * (recent - mean), n)
         if self.policy is None:
             if all(self.observed.get(w, (0.0, 0))[1] >= self.explore_rows for w in self.widths):
                 means = {w: self.observed[w][0] for w in self.widths}

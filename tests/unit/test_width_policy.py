@@ -165,3 +165,14 @@ def test_the_chooser_refuses_what_it_cannot_choose_from():
         _chooser().choose(0)
     state = _chooser().to_dict()
     assert state["exploring"] and state["table"] == {} and state["rounds"] == {"16": 0, "32": 0}
+
+
+def test_a_widths_mean_follows_traffic_by_its_half_life():
+    chooser = _chooser(explore_rows=1, revisit_every=0, half_life_rows=100)
+    chooser.observe({"16": 500.0, "32": 600.0}, {"16": 100, "32": 100})  # 5.0 and 6.0 a request-round
+    assert chooser.observed == {"16": (5.0, 100), "32": (6.0, 100)}
+    # the next 100 request-rounds of 32 emit 4.0 each: one half-life, so the mean moves halfway
+    chooser.observe({"16": 500.0, "32": 1000.0}, {"16": 100, "32": 200})
+    assert chooser.observed["32"] == (5.0, 200) and chooser.observed["16"] == (5.0, 100)
+    chooser.observe({"16": 500.0, "32": 1000.0}, {"16": 100, "32": 200})  # nothing new: nothing moves
+    assert chooser.observed["32"] == (5.0, 200)
