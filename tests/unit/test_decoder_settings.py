@@ -195,3 +195,17 @@ def test_hand_built_widths_must_agree_with_the_budget() -> None:
     for widths in ((31, 15), (15, 16), (15,), (15, 15, 31)):
         with pytest.raises(SettingsError, match="adaptive widths"):
             DecoderSettings(31, 16, None, widths)
+
+
+def test_the_tools_show_a_setting_one_way() -> None:
+    from ddtree_runtime.core.decoder_settings import widths_text
+
+    assert DecoderSettings(16, 16).shown == "16"
+    assert DecoderSettings.chain(16).shown == "chain"
+    assert DecoderSettings(16, 16, 4).shown == "16 (top-K cap 4)"
+    assert DecoderSettings.resolve("auto", 16).shown == "auto(15,31)"
+    assert DecoderSettings.resolve("15,31", 16).shown == "auto(15,31)"  # what auto picks, however asked
+    assert DecoderSettings.resolve("15,23,31", 16).shown == "15,23,31"
+    assert DecoderSettings.resolve("auto", 8, 4).shown == "auto(7,15) (top-K cap 4)"
+    assert widths_text([15, 31], 16) == "auto(15,31)" and widths_text([15, 31], 8) == "15,31"
+    assert widths_text((15, 31), None) == "15,31"  # no block: no way to tell auto
