@@ -124,14 +124,14 @@ def test_plan_cli_takes_auto_after_the_double_dash_and_refuses_a_bad_one(files, 
     flags = json.dumps({**PROFILES["balanced"]["flags"], "speculative-ddtree-budget": "15,31"})
     assert ddtree_main([*base, "--gpus", "1xH200", "--flags-json", flags]) == 1
     assert json.loads(capsys.readouterr().out)["changes"]
-    assert ddtree_main([*base, "--profile", "shadow-small", "--", "--speculative-ddtree-budget", "auto2"]) == 2
+    assert ddtree_main([*base, "--profile", "shadow", "--", "--speculative-ddtree-budget", "auto2"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("ddtree plan: --speculative-ddtree-budget takes a whole number, 'auto' or a comma")
     assert "'auto2'" in err and len(err.strip().splitlines()) == 1
 
 
 def test_the_figures_never_choose_an_adaptive_profile_and_tune_has_no_label_for_it() -> None:
-    with pytest.raises(ValueError, match="adaptive, which no figures choose.*host_vars"):
+    with pytest.raises(ValueError, match=r"adaptive, which no figures choose.*host_vars"):
         profile_setting({"speculative-ddtree-budget": "auto"})
     with pytest.raises(ValueError, match="adaptive"):
         profile_setting({"speculative-ddtree-budget": "15,31"})
