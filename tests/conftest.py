@@ -54,7 +54,7 @@ FAST_MODULES = frozenset(f"tests/unit/{name}.py" for name in (
     "test_import_graph", "test_lab_base", "test_tree_order", "test_tiny_engine", "test_tiny_hf_tokenizer",
     "test_lab_packages", "test_lossless", "test_metrics_exporter_role", "test_parallel_run",
     "test_plugin_map", "test_plugin_warmup", "test_profile_choice", "test_readiness", "test_report_file",
-    "test_role_variables", "test_server_info_reader", "test_planner_widths",
+    "test_role_variables", "test_server_info_reader", "test_planner_widths", "test_budget_inputs",
     "test_roles_argspec", "test_round_prices",
     "test_rollout_layout", "test_rollout_reads",
     "test_server_bench", "test_tree_build", "test_tree_cli", "test_tree_commit", "test_tree_dispatch",
