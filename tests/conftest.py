@@ -55,6 +55,7 @@ FAST_MODULES = frozenset(f"tests/unit/{name}.py" for name in (
     "test_lab_packages", "test_lossless", "test_metrics_exporter_role", "test_parallel_run",
     "test_plugin_map", "test_plugin_warmup", "test_profile_choice", "test_readiness", "test_report_file",
     "test_role_variables", "test_server_info_reader", "test_planner_widths", "test_budget_inputs",
+    "test_width_state", "test_fleet_widths",
     "test_roles_argspec", "test_round_prices",
     "test_rollout_layout", "test_rollout_reads",
     "test_server_bench", "test_tree_build", "test_tree_cli", "test_tree_commit", "test_tree_dispatch",
