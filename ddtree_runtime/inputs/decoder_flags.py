@@ -57,17 +57,20 @@ def decoder_problems(name: str, flags: Any) -> list[str]:
         cap = whole
     if budget is None or budget is False:
         return []
-    if isinstance(budget, float) and budget.is_integer():
-        budget = int(budget)
-    try:
+    if isinstance(budget, str) and budget != "".join(budget.split()):
+        return [problem(where, budget, "holds spaces: write the widths as one word, 15,31 (the unit's "
+                        "ExecStart keeps it one plain word)")]  # fmt: skip
+    try:  # a float (16.0) is refused too: it would render as "16.0", which the plugin's parser refuses
         spec = ds.parse_budget(budget, what=where)
     except ds.SettingsError as exc:
         return [str(exc)]
     widths = () if spec == ds.AUTO else (spec if isinstance(spec, tuple) else (spec,))
+    rule = f"1..{ds.MAX_BUDGET} (verify width = budget + 1)"
     for b in widths:
         if not 1 <= b <= ds.MAX_BUDGET:
-            return [problem(where, budget, f"holds budget {b}: each budget is a whole number in "
-                            f"1..{ds.MAX_BUDGET} (verify width = budget + 1)")]  # fmt: skip
+            said = f"is not a whole number in {rule}" if isinstance(spec, int) else (
+                f"holds budget {b}: each budget is a whole number in {rule}")  # fmt: skip
+            return [problem(where, budget, said)]
     adaptive = spec == ds.AUTO or isinstance(spec, tuple)
     if adaptive and cap == 1:
         return [problem(where, budget, f"is adaptive, but {TOPK_CAP} 1 is the chain, which has one width: "

@@ -71,7 +71,7 @@ def test_removed_flag_spelling_is_refused():
         ('{"sglang_service_flag_overrides": {"speculative-ddtree-budget": "15,15"}}',
          "give 2..4 different budgets, each once"),
         ('{"sglang_service_flag_overrides": {"speculative-ddtree-budget": 0}}',
-         "speculative-ddtree-budget: 0 holds budget 0: each budget is a whole number in 1..1023"),
+         "speculative-ddtree-budget: 0 is not a whole number in 1..1023 (verify width = budget + 1)"),
         ('{"sglang_service_flag_overrides": {"speculative-ddtree-budget": "auto", '
          '"speculative-ddtree-topk-cap": 1}}', "the chain, which has one width"),
     ],
