@@ -5,6 +5,8 @@ setting's round on the host's GPU (``planner/tune.py``) and names, among the set
 (validated, and fitting its GPUs as ``ddtree plan`` decides: ``planner/tune_fit.py``), the one with the most
 tokens/s at the host's concurrency, with the expected gain over the setting that runs and its uncertainty.
 Writes nothing; ``--propose`` prints the host_vars change a normal deploy (or a canary) then applies.
+A server running adaptive widths (``--speculative-ddtree-budget auto`` or a list) runs no one setting: the
+table is printed, with the server's own figures per width, and nothing is compared or proposed.
 
 Exit codes: 0 a recommendation (a change, or keep what runs), 1 not enough evidence (too few rounds, no
 counters, no known current setting among the measured and priced ones), 2 bad input (counters no scorer
@@ -125,7 +127,6 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
         prices = sglang_client.server_prices(info)  # BadAnswer (exit 2) when malformed
     else:
         text = read_input(args.metrics_file)
-    widths = _width_figures(info, text)
     counts = cf.parse_metrics(text)
     table = _round_table(args.round_ms_json) if args.round_ms_json else None  # bad input before evidence
     horizon, horizon_source = _horizon(args, server)
@@ -137,6 +138,7 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
         fit, profile_runs = load_host_fit(args.models_json, profile=args.profile, profiles_file=args.profiles,
                                           gpus=args.gpus, gpu=args.gpu, tp=args.tp)  # fmt: skip
     current, current_source, adaptive = _current(args, server, horizon, profile_runs)
+    widths = _width_figures(info, text) if adaptive is not None else None
     counters = cf.check_counters(counts, horizon=horizon, running=current)
     if current is None and adaptive is None and counters.rounds_scored >= args.min_rounds:
         raise tune.NoComparison(f"the setting this host runs is unknown ({current_source}): pass --current "

@@ -96,13 +96,10 @@ def flag_mismatch(key: str, want: Any, info: dict, server: ServerInfo) -> str | 
     """Why the server does not run the expected flag ``key=want`` (None: it does). Values compare as text,
     except the budget, which compares by the decoder settings' rule: the profile's ``auto`` or ``15,31`` is
     the widths the server reports (``auto``'s follow its block), a number is one width."""
-    if key != BUDGET_KEY:
-        got = info.get(key)
+    got = info.get(key)
+    if key != BUDGET_KEY or server.block_size is None:  # (no block: nothing to resolve against)
         return None if str(got).upper() == str(want).upper() else f"{key}={repr(got)[:100]} (want {want})"
-    shown = sglang_client.setting_text(server) or repr(info.get(key))[:100]
-    if server.block_size is None:  # nothing to resolve against: compare as text
-        got = info.get(key)
-        return None if str(got).upper() == str(want).upper() else f"{key}={repr(got)[:100]} (want {want})"
+    shown = sglang_client.setting_text(server) or repr(got)[:100]
     try:
         asked = DecoderSettings.resolve(want, server.block_size, server.topk_cap)
     except SettingsError as exc:
