@@ -5,6 +5,8 @@ setting's round on the host's GPU (``planner/tune.py``) and names, among the set
 (validated, and fitting its GPUs as ``ddtree plan`` decides: ``planner/tune_fit.py``), the one with the most
 tokens/s at the host's concurrency, with the expected gain over the setting that runs and its uncertainty.
 Writes nothing; ``--propose`` prints the host_vars change a normal deploy (or a canary) then applies.
+A server running adaptive widths (``--speculative-ddtree-budget auto`` or a list) runs no one setting: the
+table is printed, with the server's own figures per width, and nothing is compared or proposed.
 
 Exit codes: 0 a recommendation (a change, or keep what runs), 1 not enough evidence (too few rounds, no
 counters, no known current setting among the measured and priced ones), 2 bad input (counters no scorer
@@ -20,13 +22,14 @@ import math
 import sys
 from typing import Any
 
-from ddtree_runtime.core.decoder_settings import MAX_BLOCK_SIZE, parse_label
+from ddtree_runtime.core.decoder_settings import MAX_BLOCK_SIZE, DecoderSettings, parse_label
 from ddtree_runtime.core.round_prices import PriceTable
 from ddtree_runtime.health import counterfactual_counters as cf
 from ddtree_runtime.health import http_client, sglang_client
+from ddtree_runtime.health.width_state import width_metrics
 from ddtree_runtime.planner import tune
 from ddtree_runtime.planner.cli import load_profiles, read_input
-from ddtree_runtime.planner.tune_fit import load_host_fit, profile_label
+from ddtree_runtime.planner.tune_fit import load_host_fit, profile_settings
 
 DEFAULT_HORIZON = 15  # Qwen3.6-27B-DFlash's block 16, when neither --horizon nor the server says
 
@@ -86,29 +89,36 @@ def _horizon(args: argparse.Namespace, server: cf.ServerDecoder | None) -> tuple
     return DEFAULT_HORIZON, f"the default {DEFAULT_HORIZON} (Qwen3.6-27B-DFlash; pass --horizon)"
 
 
+Adaptive = DecoderSettings | None  # adaptive widths' settings where no one label names what runs
+
+
 def _current(args: argparse.Namespace, server: cf.ServerDecoder | None, horizon: int,
-             profile_runs: str | None) -> tuple[str | None, str]:  # fmt: skip
-    """The setting that runs, and who said so (None: nobody did)."""
+             profile_runs: DecoderSettings | None) -> tuple[str | None, str, Adaptive]:  # fmt: skip
+    """The setting that runs, who said so (None: nobody did, or no one label names it), and, when it is
+    adaptive widths, their settings (each round picks one: no one setting to compare against)."""
     if args.current is not None:
-        return parse_label(args.current, what="--current"), "--current"
+        return parse_label(args.current, what="--current"), "--current", None
     if server is not None:
         if server.label is not None:
-            return server.label, "the server's /server_info"
-        return None, f"the server's /server_info does not say ({server.why})"
+            return server.label, "the server's /server_info", None
+        if server.adaptive is not None:
+            return None, "the server's /server_info", server.adaptive
+        return None, f"the server's /server_info does not say ({server.why})", None
     if args.profile is not None:
         runs = profile_runs
         if runs is None:
             profile = load_profiles(args.profiles).get(args.profile)
             if profile is None:
                 raise ValueError(f"unknown profile {args.profile!r} (profiles.yml)")
-            runs = profile_label(profile.get("flags") or {}, horizon + 1)
-        return runs, f"profile {args.profile}"
-    return None, "nobody says"
+            runs = profile_settings(profile.get("flags") or {}, horizon + 1)
+        return runs.label, f"profile {args.profile}", runs if runs.adaptive else None
+    return None, "nobody says", None
 
 
 def _report(args: argparse.Namespace) -> dict[str, Any]:
     server = None
     prices = None  # the server's own start-up price table (--speculative-ddtree-price-table)
+    info: Any = None
     if args.url:
         base = http_client.check_base_url(args.url)
         text = cf.fetch_metrics(base, timeout=args.timeout)
@@ -127,9 +137,10 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
     if args.models_json:
         fit, profile_runs = load_host_fit(args.models_json, profile=args.profile, profiles_file=args.profiles,
                                           gpus=args.gpus, gpu=args.gpu, tp=args.tp)  # fmt: skip
-    current, current_source = _current(args, server, horizon, profile_runs)
+    current, current_source, adaptive = _current(args, server, horizon, profile_runs)
+    widths = _width_figures(info, text) if adaptive is not None else None
     counters = cf.check_counters(counts, horizon=horizon, running=current)
-    if current is None and counters.rounds_scored >= args.min_rounds:
+    if current is None and adaptive is None and counters.rounds_scored >= args.min_rounds:
         raise tune.NoComparison(f"the setting this host runs is unknown ({current_source}): pass --current "
                                 "chain|BUDGET or --profile NAME; no proposal without it")  # fmt: skip
     est = cf.estimates(counters)
@@ -144,13 +155,15 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
     ]
     labels = [s.label for s in settings]
     left_out = None
-    if current is not None and current in labels:
-        left_out = tune.runnable(labels, current=current, horizon=horizon, fit=fit)
+    if (current is not None and current in labels) or adaptive is not None:
+        left_out = tune.runnable(labels, current=current, horizon=horizon, fit=fit, runs=adaptive)
     server_ms = prices.round_ms() if prices is not None and table is None else None
     rec = tune.recommend(settings, concurrency=concurrency, current=current, rounds=counters.rounds_scored,
                          gpu=args.gpu, tp=args.tp, table=table, min_rounds=args.min_rounds,
-                         left_out=left_out, server=server_ms)  # fmt: skip
+                         left_out=left_out, server=server_ms, adaptive=adaptive)  # fmt: skip
     rec["current_source"] = current_source
+    rec["adaptive"] = None if adaptive is None else {
+        "setting": adaptive.shown, "widths": [str(b) for b in adaptive.widths], "state": widths}
     rec["horizon"], rec["horizon_source"] = horizon, horizon_source
     rec["fit"] = ("ddtree plan (--models-json)" if fit
                   else "not planned: no setting that needs more memory than what runs")  # fmt: skip
@@ -162,6 +175,23 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
     if args.propose:
         rec["host_vars"] = _host_vars(rec, horizon)
     return rec
+
+
+def _width_figures(info: Any, text: str) -> dict[str, Any] | None:
+    """An adaptive server's own account of its widths: /server_info's ``ddtree_widths`` (the table per batch
+    size, rounds and tokens per round per width; BadAnswer, exit 2, when malformed), else the /metrics
+    series ``sglang:ddtree_width_*`` (rounds and tokens per round per width); None when it gives neither."""
+    state = sglang_client.server_width_state(info) if info is not None else None
+    if state is not None:
+        source = "/server_info ddtree_widths"
+        return {**state.to_dict(), "source": source, "per_batch_size": state.table_text()}
+    series = width_metrics(text)
+    if not series:
+        return None
+    return {"source": "/metrics sglang:ddtree_width_*",
+            "rounds": {w: int(v["rounds"]) for w, v in series.items() if "rounds" in v},
+            "tokens_per_round": {w: v["tokens_per_round"] for w, v in series.items()
+                                 if "tokens_per_round" in v}}  # fmt: skip
 
 
 def _cost_model(args: argparse.Namespace, table: Any, prices: PriceTable | None) -> str:
@@ -178,7 +208,8 @@ def _cost_model(args: argparse.Namespace, table: Any, prices: PriceTable | None)
     sizes = {w: prices.batch_sizes(w) for w in prices.widths()}
     shown = "; ".join(f"{w} at batch sizes {','.join(map(str, b))}" for w, b in sizes.items())
     return (f"the server's own price table ({prices.method}, {shown}) for the settings it priced; the others "
-            f"from the {figures} scaled to the server's price of the running setting")  # fmt: skip
+            f"from the {figures} scaled to the server's price of the running setting (adaptive widths: of "
+            "the narrowest width measured and priced)")  # fmt: skip
 
 
 def _host_vars(rec: dict[str, Any], horizon: int) -> dict[str, Any] | None:
@@ -188,13 +219,19 @@ def _host_vars(rec: dict[str, Any], horizon: int) -> dict[str, Any] | None:
 
 
 def _print(rec: dict[str, Any]) -> None:
+    adaptive = rec.get("adaptive")
+    runs = f"adaptive widths {adaptive['setting']}" if adaptive else rec["current"]
     print(f"GPU {rec['gpu']} x tp {rec['tp']}, concurrency {rec['concurrency']:g} "
           f"({rec['concurrency_source']})")  # fmt: skip
     print(f"cost: {rec['cost_model']}; fit: {rec['fit']}; {rec['rounds']} rounds scored; "
-          f"runs now: {rec['current']} ({rec['current_source']})")  # fmt: skip
+          f"runs now: {runs} ({rec['current_source']})")  # fmt: skip
+    if adaptive:
+        _print_widths(adaptive)
     print(f"{'setting':>8} {'tok/round':>14} {'ms/round':>9} {'tok/s':>16}")
     for r in rec["table"]:
         mark = " <- runs now" if r["setting"] == rec["current"] else ""
+        if adaptive and r["setting"] in adaptive["widths"]:
+            mark = " <- one of its widths"
         if r["cost_source"] != tune.COST_FIGURES:
             mark += f" [cost: {r['cost_source']}]"
         if r["left_out"]:
@@ -202,6 +239,14 @@ def _print(rec: dict[str, Any]) -> None:
         tpr = f"{r['tokens_per_round']:>7.3f} ± {r['tokens_per_round_se']:<5.3f}"
         tps = f"{r['tokens_per_s']:>8.1f} ± {r['tokens_per_s_se']:<6.1f}"
         print(f"{r['setting']:>8} {tpr}{r['round_ms']:>9.1f} {tps}{mark}")
+    if adaptive:
+        best = rec["best_runnable"] or "none"
+        print(f"adaptive: each round verifies the width its batch size pays for, so no one setting runs and "
+              f"nothing is compared; the best single setting here is {best}. To weigh it against the widths, "
+              "pin it on one host (host_vars) or canary it beside this one")  # fmt: skip
+        if "host_vars" in rec:
+            print("host_vars: no change proposed (no one setting runs to compare against)")
+        return
     gain = f"{rec['gain'] * 100:+.1f} % tokens/s ± {rec['gain_se'] * 100:.1f} %"
     if rec["change"]:
         print(f"recommend: {rec['recommended']} instead of {rec['current']}: {gain} (1 s.e., "
@@ -219,6 +264,22 @@ def _print(rec: dict[str, Any]) -> None:
             print("sglang_service_flag_overrides:")
             for k, v in rec["host_vars"]["sglang_service_flag_overrides"].items():
                 print(f"  {k}: {'null' if v is None else v}")
+
+
+def _print_widths(adaptive: dict[str, Any]) -> None:
+    """The server's own figures per width (its state, or its /metrics series), one line."""
+    state = adaptive.get("state")
+    if not state:
+        print("its widths: no figures published (/server_info ddtree_widths, /metrics sglang:ddtree_width_*)")
+        return
+    parts = []
+    if state.get("per_batch_size"):
+        parts.append(f"width per batch size {state['per_batch_size']}")
+    rounds, tokens = state.get("rounds") or {}, state.get("tokens_per_round") or {}
+    for w in adaptive["widths"]:
+        own = f"{tokens[w]:.3f} tok/round" if w in tokens else "not yet observed"
+        parts.append(f"{w}: {rounds.get(w, 0)} rounds, {own}")
+    print(f"its widths ({state['source']}): " + "; ".join(parts))
 
 
 def one_line(text: object, limit: int = 500) -> str:

@@ -225,6 +225,13 @@ class DecoderSettings:
         return str(self.budget) if self.topk_cap is None and not self.widths else None
 
     @property
+    def shown(self) -> str:
+        """The setting as the operator tools print it: its label (``chain``, ``16``), ``16 (top-K cap 4)``
+        for a capped tree, :func:`widths_text` for an adaptive server (``auto(15,31)``)."""
+        text = widths_text(self.widths, self.block_size) if self.widths else self.label or str(self.budget)
+        return text if self.topk_cap is None or self.is_chain else f"{text} (top-K cap {self.topk_cap})"
+
+    @property
     def budget_flag(self) -> int | str:
         """The budget flag's value: the number, or the widths as a comma list (``15,31``)."""
         return ",".join(str(b) for b in self.widths) if self.widths else self.budget
@@ -232,6 +239,14 @@ class DecoderSettings:
     def flags(self) -> dict[str, int | str | None]:
         """The two profile flags that select it (profiles.yml spelling; None leaves a flag out)."""
         return {"speculative-ddtree-budget": self.budget_flag, "speculative-ddtree-topk-cap": self.topk_cap}
+
+
+def widths_text(widths: tuple[int, ...] | list[int], block_size: int | None) -> str:
+    """Adaptive widths as the operator tools print them: ``auto(15,31)`` when they are what ``auto`` picks
+    for the drafter's block (:func:`auto_widths`), else the comma list the flag takes (``15,23,31``)."""
+    listed = ",".join(str(b) for b in widths)
+    known = block_size is not None and MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE
+    return f"{AUTO}({listed})" if known and tuple(widths) == auto_widths(block_size) else listed
 
 
 def parse_label(text: object, *, what: str = "a setting") -> str:

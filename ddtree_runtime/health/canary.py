@@ -85,6 +85,9 @@ class Side:
     algorithm: str | None = None
     budget: int | None = None
     block_size: int | None = None
+    # The decoder setting as the tools print it (``16``, ``chain``, ``auto(15,31)``): the two sides may
+    # differ (a shadow trying auto beside a live fixed budget), and the report says both.
+    setting: str | None = None
     # What the server says about itself (/server_info): which process answers, on which port.
     identity: dict[str, Any] | None = None
     answers: list[Answer] = field(default_factory=list)  # rounds x prompts, in request order
@@ -121,6 +124,7 @@ class Side:
             "runtime_version": self.runtime_version,
             "algorithm": self.algorithm,
             "budget": self.budget,
+            "setting": self.setting,
             "requests": len(self.answers),
             "completion_tokens": self.completion_tokens,
             "accept_length": _round(self.accept_length),
@@ -155,6 +159,8 @@ class CanaryReport:
             ("release", lv.get("release") or "-", sh.get("release") or "-", ""),
             ("version", _s(lv.get("runtime_version") or lv.get("version")),
              _s(sh.get("runtime_version") or sh.get("version")), ""),
+            ("setting", _s(lv.get("setting")), _s(sh.get("setting")),
+             "" if lv.get("setting") == sh.get("setting") else "differ (the accept ratio compares the two)"),
             ("tokens equal", "(reference)",
              f"{self.tokens.get('equal_prompts', 0)}/{len(self.prompts)} prompts",
              "yes" if self.tokens.get("equal") else "NO"),
@@ -251,6 +257,7 @@ def read_server_info(side: Side, timeout: float) -> None:
     server = sglang_client.read_server_info(info)
     side.version, side.runtime_version = server.version, server.runtime_version
     side.algorithm, side.budget, side.block_size = server.algorithm, server.budget, server.block_size
+    side.setting = sglang_client.setting_text(server)
     side.identity = server.identity
 
 
@@ -396,8 +403,10 @@ def judge(live: Side, shadow: Side, tokens: dict[str, Any], th: Thresholds) -> t
     elif la is None:
         checks.append(Check("accept_length", True, f"shadow {sa:.3f}; live reports none (not speculative)"))
     else:
+        settings = ("" if live.setting == shadow.setting else
+                    f" (shadow runs {_s(shadow.setting)}, live {_s(live.setting)})")  # fmt: skip
         checks.append(Check("accept_length", round(accept_ratio, 9) >= th.min_accept_ratio,
-                            f"shadow {sa:.3f} vs live {la:.3f} tokens per verify step: ratio "
+                            f"shadow {sa:.3f} vs live {la:.3f} tokens per verify step{settings}: ratio "
                             f"{accept_ratio:.3f}, minimum {th.min_accept_ratio:g}"))
     lm, sm = live.latency_median_s, shadow.latency_median_s
     latency_ratio = sm / lm if lm and sm is not None else None

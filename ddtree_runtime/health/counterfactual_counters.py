@@ -149,6 +149,8 @@ class ServerDecoder:
     label: str | None
     horizon: int | None
     why: str = ""
+    # An adaptive server (no one label): its settings, each width a label of its own (``at_budget``).
+    adaptive: DecoderSettings | None = None
 
 
 def server_decoder(info: Any) -> ServerDecoder:
@@ -170,9 +172,13 @@ def server_decoder(info: Any) -> ServerDecoder:
         return ServerDecoder(None, None, "its /server_info has no speculative_dflash_block_size")
     budget, cap = server.budget, server.topk_cap
     try:
-        settings = DecoderSettings(budget, block, cap)
+        settings = DecoderSettings(budget, block, cap, server.widths)
     except SettingsError as exc:
         return ServerDecoder(None, horizon, f"its /server_info settings cannot run: {exc}")
+    if settings.adaptive:
+        why = (f"it runs adaptive widths {settings.shown}: each round verifies the width its batch size pays "
+               "for, so no one setting runs")  # fmt: skip
+        return ServerDecoder(None, horizon, why, settings)
     if settings.label is None:
         why = f"it runs budget {budget} with top-K cap {cap}, which no label names"
         return ServerDecoder(None, horizon, why)

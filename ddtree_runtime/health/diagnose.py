@@ -100,9 +100,11 @@ _RULES: tuple[_Rule, ...] = (
         "hybrid_state_cache_oom",
         _rx(r"Not enough GPU memory for hybrid \(mamba/linear-attention\) state cache"),
         "the hybrid (mamba/linear-attention) state cache does not fit: the speculative scratch, (running "
-        "requests + 1) x max(budget + 1, block) rows of the whole recurrent state, came first",
+        "requests + 1) x max(budget + 1, block) rows of the whole recurrent state (under auto or a list of "
+        "widths, the widest's), came first",
         "in the profile: lower max-running-requests (and max-mamba-cache-size with it), mamba-ssm-dtype "
-        "bfloat16 (halves the state), a smaller speculative-ddtree-budget, or raise mem-fraction-static; "
+        "bfloat16 (halves the state), a smaller speculative-ddtree-budget (under auto or a list: one number, "
+        "or drop the widest width), or raise mem-fraction-static; "
         "`ddtree plan --profile PROFILE` names the smallest change that fits",
         term="speculative_scratch",
     ),

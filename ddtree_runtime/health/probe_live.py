@@ -13,7 +13,12 @@ from ddtree_runtime.health.probe_generate import generate_answers
 from ddtree_runtime.health.probe_lossless import check_lossless_result, run_lossless, tokenize_prompts
 from ddtree_runtime.health.probe_ready import wait_ready
 from ddtree_runtime.health.probe_report import ProbeInputError, Report, check_exchange
-from ddtree_runtime.health.probe_server_info import check_accept_length, check_handshake
+from ddtree_runtime.health.probe_server_info import (
+    check_accept_length,
+    check_handshake,
+    flag_mismatch,
+    record_decoder,
+)
 from ddtree_runtime.health.prompts import DEFAULT_PROMPTS
 from ddtree_runtime.health.sglang_client import is_int
 
@@ -98,9 +103,9 @@ def live_probe(url: str, *, timeout: float = 600, min_accept_length: float | Non
     algorithm = server.algorithm
     report.figures["speculative_algorithm"] = algorithm
     report.figures["overlap_schedule"] = server.overlap_schedule
+    record_decoder(report, server)
     wanted = {"speculative_algorithm": "DDTREE", **(expect or {})}
-    wrong = [f"{k}={repr(info.get(k))[:100]} (want {v})" for k, v in wanted.items()
-             if str(info.get(k)).upper() != str(v).upper()]
+    wrong = [bad for k, v in wanted.items() if (bad := flag_mismatch(k, v, info, server)) is not None]
     report.check("flags", not wrong, "; ".join(wrong) or
                  ", ".join(f"{k}={info.get(k)}" for k in wanted), "flags_mismatch")
     if algorithm == "DDTREE":

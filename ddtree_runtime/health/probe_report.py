@@ -112,7 +112,7 @@ def format_report(report: Report) -> str:
     lines = [head, f"  {report.message}"] if report.message else [head]
     lines += [f"  {_mark(c)} {c.name}: {c.detail}" for c in report.checks]
     figures = {k: v for k, v in report.figures.items()
-               if k not in ("answers", "diagnosis", "lossless") and v is not None}
+               if k not in ("answers", "diagnosis", "lossless", "decoder") and v is not None}
     if figures:
         lines.append("  figures: " + ", ".join(f"{k}={v}" for k, v in figures.items()))
     return "\n".join(lines)

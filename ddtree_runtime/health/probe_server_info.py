@@ -89,6 +89,53 @@ def check_accept_length(report: Report, server: ServerInfo, counts: list, base: 
                      "acceptance_low")
 
 
+BUDGET_KEY = "speculative_ddtree_budget"
+
+
+def flag_mismatch(key: str, want: Any, info: dict, server: ServerInfo) -> str | None:
+    """Why the server does not run the expected flag ``key=want`` (None: it does). Values compare as text,
+    except the budget, which compares by the decoder settings' rule: the profile's ``auto`` or ``15,31`` is
+    the widths the server reports (``auto``'s follow its block), a number is one width."""
+    got = info.get(key)
+    if key != BUDGET_KEY or server.block_size is None:  # (no block: nothing to resolve against)
+        return None if str(got).upper() == str(want).upper() else f"{key}={repr(got)[:100]} (want {want})"
+    shown = sglang_client.setting_text(server) or repr(got)[:100]
+    try:
+        asked = DecoderSettings.resolve(want, server.block_size, server.topk_cap)
+    except SettingsError as exc:
+        return f"{key}={shown} (want {want}: {exc})"
+    runs = (server.budget, server.widths)
+    return None if runs == (asked.budget, asked.widths) else f"{key}={shown} (want {asked.shown})"
+
+
+def record_decoder(report: Report, server: ServerInfo) -> None:
+    """What the server decodes with, for the report and ``ddtree fleet status`` (which reads the last live
+    probe's report on the host): ``setting`` (``16``, ``chain``, ``auto(15,31)``) and ``decoder``: the budget,
+    the widths, an adaptive server's width state (``health/width_state``) and the start-up round prices
+    (ms per round per width and batch size). A state or a table in a shape the plugin never writes is
+    named under ``decoder.errors``, never a failed probe: it tells the operator, it does not gate a deploy."""
+    report.figures["setting"] = sglang_client.setting_text(server)
+    decoder: dict[str, Any] = {"setting": report.figures["setting"], "budget": server.budget,
+                               "widths": list(server.widths), "width_state": None, "prices": None}
+    errors = []
+    try:
+        state = sglang_client.server_width_state(server.raw)
+        decoder["width_state"] = None if state is None else state.to_dict()
+    except BadAnswer as exc:
+        errors.append(str(exc))
+    try:
+        prices = sglang_client.server_prices(server.raw)
+        if prices is not None:
+            table = {w: {str(b): round(ms, 3) for b, ms in sorted(row.items())}
+                     for w, row in prices.round_ms().items()}  # fmt: skip
+            decoder["prices"] = {"method": prices.method, "round_ms": table}
+    except BadAnswer as exc:
+        errors.append(str(exc))
+    if errors:
+        decoder["errors"] = errors
+    report.figures["decoder"] = decoder
+
+
 def check_handshake(report: Report, hs: Any) -> None:
     if not isinstance(hs, dict):
         report.check("handshake", False, "server_info has no ddtree_handshake: the DDTREE plugin did not "

@@ -17,8 +17,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ddtree_runtime.core.decoder_settings import MAX_WIDTHS, DecoderSettings, SettingsError
 from ddtree_runtime.core.round_prices import PriceTable, PriceTableError, parse_price_table
 from ddtree_runtime.health import http_client
+from ddtree_runtime.health.width_state import WidthState, WidthStateError, parse_width_state
 
 # Status codes of an endpoint a server does not have at all (not a failure of one it has).
 ABSENT_STATUSES = (404, 405, 501)
@@ -235,7 +237,8 @@ class ServerInfo:
     runtime_version: str | None  # the DDTREE plugin's ddtree_runtime_version
     algorithm: str  # speculative_algorithm, upper case; NONE when it runs none
     handshake: dict[str, Any] | None  # the plugin's hidden-width handshake (ddtree_handshake)
-    budget: int | None  # the tree budget: the handshake's, else the resolved flag
+    budget: int | None  # the tree budget: the handshake's, else the resolved flag (adaptive: the widest)
+    widths: tuple[int, ...]  # an adaptive server's widths, narrowest first (speculative_ddtree_widths); ()
     topk_cap: int | None  # the tree's top-K cap: the handshake's, else the resolved flag (None: none)
     block_size: int | None  # the most tokens one verify step can accept (bonus included)
     overlap_schedule: bool | None  # whether it runs SGLang's overlap scheduler
@@ -260,12 +263,66 @@ def read_server_info(info: dict[str, Any]) -> ServerInfo:
         algorithm=(_text(info.get("speculative_algorithm")) or "NONE").upper()[:100],
         handshake=hs,
         budget=_small_int(shake.get("budget", info.get("speculative_ddtree_budget"))),
+        widths=_widths(info.get("speculative_ddtree_widths")),
         topk_cap=_small_int(shake.get("topk_cap", info.get("speculative_ddtree_topk_cap"))),
         block_size=next((b for b in blocks if is_int(b) and 2 <= b <= 10**6), None),
         overlap_schedule=overlap,
         identity={k: info[k] for k in IDENTITY_KEYS
                   if isinstance(info.get(k), str | int) and not isinstance(info[k], bool)},
     )
+
+
+def _widths(value: Any) -> tuple[int, ...]:
+    """The plugin's ``speculative_ddtree_widths``: 2..MAX_WIDTHS different budgets, narrowest first; any
+    other shape reads as () (one width), as for every field SGLang never writes."""
+    if not isinstance(value, list) or not 2 <= len(value) <= MAX_WIDTHS:
+        return ()
+    if not all(_small_int(b) is not None and b >= 1 for b in value) or sorted(set(value)) != value:
+        return ()
+    return tuple(value)
+
+
+def server_settings(server: ServerInfo) -> DecoderSettings | None:
+    """What the server decodes with, by the decoder settings' rule: DFLASH is the chain; DDTREE its budget
+    (the widest, for an adaptive server), block, top-K cap and widths. None for no speculation, an unknown
+    algorithm, or fields that cannot run together."""
+    block = server.block_size
+    if block is None:
+        return None
+    try:
+        if server.algorithm == "DFLASH":
+            return DecoderSettings.chain(block)
+        if server.algorithm != "DDTREE" or server.budget is None:
+            return None
+        widths = server.widths if server.widths and server.widths[-1] == server.budget else ()
+        return DecoderSettings(server.budget, block, server.topk_cap, widths)
+    except SettingsError:
+        return None
+
+
+def setting_text(server: ServerInfo) -> str | None:
+    """The setting as the tools print it (``DecoderSettings.shown``: ``16``, ``chain``, ``auto(15,31)``), or
+    None when the server says none."""
+    settings = server_settings(server)
+    return None if settings is None else settings.shown
+
+
+def server_width_state(info: Any) -> WidthState | None:
+    """An adaptive server's width choice (``internal_states[i].ddtree_widths``, the first scheduler that
+    publishes one: ``health/width_state``), None when none does. BadAnswer, naming the field, for a shape the
+    plugin never writes."""
+    states = info.get("internal_states") if isinstance(info, dict) else None
+    if states is None:
+        return None
+    if not isinstance(states, list):
+        raise BadAnswer(f"/server_info internal_states is {ascii(states)[:60]}, not a list")
+    for i, state in enumerate(states):
+        if isinstance(state, dict) and state.get("ddtree_widths") is not None:
+            try:
+                return parse_width_state(state["ddtree_widths"], where=f"internal_states[{i}].ddtree_widths")
+            except WidthStateError as exc:
+                raise BadAnswer(f"/server_info {exc}") from None
+    return None
 
 
 def server_prices(info: Any) -> PriceTable | None:

@@ -16,9 +16,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from .argspec import Range, Rule, option_problems
-from .launch_flags import launch_problems, profile_flags
+from .decoder_flags import BUDGET, TOPK_CAP, decoder_problems, extra_budget
+from .launch_flags import launch_problems, profile_flags, split_launch_flags
 from .values import (
     UNIT_NAME,
+    InputError,
     abs_path,
     account,
     as_int,
@@ -131,6 +133,23 @@ SERVICE: dict[str, Rule] = {
 SERVICE_DERIVED = ("profile_data", "effective_port")
 
 
+def _decoder_problems(v: Mapping[str, Any], flags: Any) -> list[str]:
+    """The budget and top-K cap the unit will start with (the profile's, a host's overrides over them, a
+    budget among the extra flags last), by the decoder settings' rule; named after where each came from."""
+    if not isinstance(flags, Mapping):
+        return []
+    overrides = v.get("flag_overrides") if isinstance(v.get("flag_overrides"), Mapping) else {}
+    named = {BUDGET, TOPK_CAP} & set(overrides)
+    found = decoder_problems("sglang_service_flag_overrides" if named else "the profile's flags", flags)
+    try:
+        extra = extra_budget(split_launch_flags(v.get("extra_flags") or [], "sglang_service_extra_flags"))
+    except InputError:
+        return found  # launch_problems names it
+    if extra is not None:
+        found += decoder_problems("sglang_service_extra_flags", {**flags, BUDGET: extra})
+    return found
+
+
 def service_problems(v: Mapping[str, Any]) -> list[str]:
     """Every sglang_service value that reaches the unit, its env file, its flags or a path."""
     profile = v.get("profile_data") or {}
@@ -141,6 +160,7 @@ def service_problems(v: Mapping[str, Any]) -> list[str]:
             "the service port (the profile's)", v.get("effective_port")),
         profile_flags("the profile's flags", profile.get("flags")),
     )
+    problems += _decoder_problems(v, profile.get("flags"))
     if not problems and as_int(v.get("start_timeout")) < as_int(v.get("ready_timeout")):  # type: ignore[operator]
         problems.append(problem("sglang_service_start_timeout", v.get("start_timeout"),
                                 f"is below sglang_service_ready_timeout ({v.get('ready_timeout')}): systemd "

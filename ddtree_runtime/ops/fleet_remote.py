@@ -58,7 +58,9 @@ def last_probe(unit: str) -> dict | None:
         return None
     figures = rep.get("figures") or {}
     keep = ("probe", "ok", "cause", "time", "message")
-    return {**{k: rep.get(k) for k in keep}, "accept_length": figures.get("accept_length")}
+    # What the server decodes with (the live probe's record_decoder): the controller checks it.
+    return {**{k: rep.get(k) for k in keep}, "accept_length": figures.get("accept_length"),
+            "setting": figures.get("setting"), "decoder": figures.get("decoder")}
 
 
 def counterfactual(unit: str) -> dict | None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ddtree_runtime.health import counterfactual_counters
+from ddtree_runtime.ops.fleet_decoder import decoder_cells
 from ddtree_runtime.ops.fleet_inventory import RouterTarget, Target
 from ddtree_runtime.ops.fleet_ssh import run_remote, why_unreachable
 
@@ -40,6 +41,10 @@ class Row:
     rotation: list[str] | None = None  # "ROUTER: in | out | in (unhealthy)" per router in front of the host
     # {"rounds", "tokens_per_round": {budget: float}} or {"refused": why}: docs/counterfactual-acceptance.md
     counterfactual: dict | None = None
+    # What the server decodes with, as its last live probe read /server_info (fleet_decoder)
+    setting: str | None = None
+    widths: str | None = None  # an adaptive server's width per batch size and rounds per width
+    prices: str | None = None  # its start-up round prices
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -106,6 +111,7 @@ def rows_from_facts(host: str, facts: Any, units: list[str]) -> list[Row]:
             active, restarts = "not-installed", None
         elif sub and sub != active and active not in (None, "unknown"):
             active = f"{active} ({sub})"
+        decoder = decoder_cells(probe)
         rows.append(Row(
             host=host, unit=unit, reachable=True, active=active,
             uptime_seconds=_as(float, sd.get("uptime_seconds")), restarts=restarts,
@@ -114,6 +120,7 @@ def rows_from_facts(host: str, facts: Any, units: list[str]) -> list[Row]:
             probe_cause=_as(str, probe.get("cause")), probe_time=_as(float, probe.get("time")),
             accept_length=_as(float, probe.get("accept_length")), gpu_memory=_gpu_rows(facts.get("gpus")),
             counterfactual=_counterfactual(u.get("counterfactual")),
+            setting=decoder.setting, widths=decoder.widths, prices=decoder.prices,
         ))
     return rows
 

@@ -52,10 +52,13 @@ def _cell(row: Row, key: str, now: float) -> str:
     return "-" if value is None else str(value)
 
 
+# DECODER, WIDTHS and ROUND MS are what the last live probe read in /server_info: the setting, an adaptive
+# server's width per batch size (runs of sizes) and rounds per width, and its start-up price table.
 COLUMNS = (("HOST", "host"), ("UNIT", "unit"), ("STATE", "active"), ("UP", "uptime"),
            ("RESTARTS", "restarts"), ("PROFILE", "profile"), ("RELEASE", "release"),
-           ("LAST PROBE", "probe"), ("ACCEPT", "accept"), ("EST TOK/ROUND", "counterfactual"),
-           ("ROTATION", "rotation"), ("GPU MEM", "gpu"))
+           ("DECODER", "setting"), ("LAST PROBE", "probe"), ("ACCEPT", "accept"), ("WIDTHS", "widths"),
+           ("ROUND MS", "prices"), ("EST TOK/ROUND", "counterfactual"), ("ROTATION", "rotation"),
+           ("GPU MEM", "gpu"))
 
 
 def format_table(rows: list[Row], now: float | None = None) -> str:

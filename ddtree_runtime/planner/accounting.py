@@ -120,6 +120,8 @@ def plan_memory(
     free_per_gpu = [min(g.free_gib, g.total_gib - claimed_gib.get(g.index, 0.0)) for g in used]
     free = max(0.0, min(free_per_gpu))
     r = resolve(settings, pair, gpu_mem_mib=min(g.total_mib for g in used))
+    if r.decoder.adaptive:
+        notes.append(adaptive_note(r))
     target, draft = pair.target, pair.draft
     terms: list[Term] = []
 
@@ -369,6 +371,17 @@ def plan_memory(
             f"requests average {tokens // running:,} tokens each"
         )
     return done(Verdict("fits", message=f"fits: {tokens:,} KV tokens, {running} running requests"), **common)
+
+
+def adaptive_note(r: Resolved) -> str:
+    """What the plan counts for an adaptive server, and what it does not: the window and the scratch are
+    the widest width's; the CUDA-graph term is SGLang's own estimate (2 MiB per captured batch size,
+    ``graph_reserve_mib``), which does not depend on the width, so whatever graphs an extra width captures
+    are not counted (the plugin captures the target verify for the widest width only, for now)."""
+    d = r.decoder
+    return (f"adaptive widths {d.shown}: the KV window and speculative scratch are sized for the widest "
+            f"({r.draft_tokens} rows per request); the CUDA-graph estimate is SGLang's and does not grow "
+            f"with the {len(d.widths)} widths")  # fmt: skip
 
 
 def _mamba(rest_gib: float, per_slot: int, r: Resolved, settings: ServeSettings) -> dict[str, Any]:

@@ -163,8 +163,15 @@ def _singles(
         if hit:
             yield Change(hit[0], "mamba-ssm-dtype float32 -> bfloat16", hit[1])
 
-    # a smaller DDTree budget narrows the scratch rows (down to the drafter block)
-    if r is not None and r.budget > 1:
+    # a smaller DDTree budget narrows the scratch rows (down to the drafter block); an adaptive server
+    # first drops its widest widths (the widest sizes the window), keeping the narrower ones
+    if r is not None and r.decoder.adaptive:
+        hit = _first_fit(settings, [{"speculative-ddtree-budget": v} for v in _narrower(r.decoder.widths)],
+                         replan)  # fmt: skip
+        if hit:
+            now = hit[0]["speculative-ddtree-budget"]
+            yield Change(hit[0], f"speculative-ddtree-budget {r.decoder.shown} -> {now}", hit[1])
+    elif r is not None and r.budget > 1:
         hit = _largest_fit(settings, 1, r.budget - 1, lambda b: {"speculative-ddtree-budget": b}, replan)
         if hit:
             yield Change(
@@ -203,6 +210,12 @@ def _singles(
                 f"chunked-prefill-size {r.chunked_prefill_size} -> {hit[0]['chunked-prefill-size']}",
                 hit[1],
             )
+
+
+def _narrower(widths: tuple[int, ...]) -> list[int | str]:
+    """An adaptive server's widths with the widest dropped, one more each time, as the flag spells them:
+    ``15,23,31`` -> ``15,23``, then ``15`` (one width)."""
+    return [",".join(map(str, widths[:n])) if n > 1 else widths[0] for n in range(len(widths) - 1, 0, -1)]
 
 
 def _steps(settings: ServeSettings, plan: Plan) -> Iterator[tuple[dict[str, Any], str]]:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ddtree_runtime.core.decoder_settings import AUTO
 from ddtree_runtime.planner.tune import CHAIN, round_ms
 
 LIVE_PORT = 30000  # profiles.yml: live services listen here, shadows on their own port
@@ -74,6 +75,10 @@ def profile_setting(flags: Mapping[str, Any]) -> str:
     if flags.get("speculative-ddtree-topk-cap") == 1:
         return CHAIN
     budget = flags.get("speculative-ddtree-budget")
+    if isinstance(budget, str) and (budget.strip() == AUTO or "," in budget):
+        raise ValueError(f"speculative-ddtree-budget {budget!r} is adaptive, which no figures choose: a "
+                         "shipped profile pins one budget (or the chain); a host runs auto through its "
+                         "host_vars (sglang_service_flag_overrides, docs/runbook.md)")  # fmt: skip
     if not isinstance(budget, int) or isinstance(budget, bool) or budget < 1:
         raise ValueError(f"speculative-ddtree-budget must be a positive integer, got {budget!r}")
     return str(budget)

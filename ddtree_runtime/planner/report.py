@@ -40,8 +40,14 @@ def _settings_line(plan: Plan) -> str:
     r = plan.resolved
     if r is None:
         return f"tp-size {plan.settings.tp_size}"
+    if r.decoder.adaptive:
+        verify = " or ".join(str(b + 1) for b in r.decoder.widths)
+        budget = (f"budget {r.decoder.shown} (adaptive: verify {verify} tokens a round, {r.draft_tokens} "
+                  "reserved per request for the widest)")  # fmt: skip
+    else:
+        budget = f"budget {r.budget} (verify {r.verify_width} tokens, {r.draft_tokens} reserved per request)"
     parts = [
-        f"budget {r.budget} (verify {r.verify_width} tokens, {r.draft_tokens} reserved per request)",
+        budget,
         f"max-running-requests {r.requested_running}",
         f"context {r.context_length:,}",
     ]
@@ -163,6 +169,7 @@ def plan_to_dict(plan: Plan, changes: list[Change] | None = None) -> dict[str, A
             "context_length": r.context_length,
             "max_running_requests": r.requested_running,
             "budget": r.budget,
+            "widths": list(r.decoder.widths),  # adaptive: every width it may verify ([]: one, the budget)
             "block_size": r.block_size,
             "verify_width": r.verify_width,
             "speculative_num_draft_tokens": r.draft_tokens,

@@ -4,9 +4,10 @@ The resolution mirrors the pinned release for the knobs that size memory: DFLASH
 (``arg_groups/speculative_hook._handle_dflash``: 48 running requests), DDTREE's widths (the decoder
 settings' one rule, ``core/decoder_settings.DecoderSettings``, which the plugin's
 ``algorithm.resolve_server_args`` applies too: verify width budget + 1, per-request reservation
-max(budget + 1, block), the default budget block - 1), the overlap scheduler (on for trees and the chain
-unless disabled), the mamba radix strategy (``arg_groups/overrides._mamba_radix_cache_resolution``) and the
-GPU-size defaults (``arg_groups/memory_hook.handle_gpu_memory_settings``).
+max(budget + 1, block), the default budget block - 1; ``auto`` or a list of widths reserves for the
+widest), the overlap scheduler (on for trees and the chain unless disabled), the mamba radix strategy
+(``arg_groups/overrides._mamba_radix_cache_resolution``) and the GPU-size defaults
+(``arg_groups/memory_hook.handle_gpu_memory_settings``).
 """
 
 from __future__ import annotations
@@ -15,20 +16,23 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ddtree_runtime.core.decoder_settings import (
+    AUTO,
     MAX_BLOCK_SIZE,
     MAX_BUDGET,
     MIN_BLOCK_SIZE,
     DecoderSettings,
     SettingsError,
+    parse_budget,
 )
 from ddtree_runtime.planner.shapes import DTYPE_BYTES, ModelPair, PlanError
 
 DFLASH_DEFAULT_MAX_RUNNING = 48
 DEFAULT_MAX_PREFILL_TOKENS = 16384
 # The flags the planner reads; every other profile flag is listed as not affecting the plan.
+BUDGET_FLAG = "speculative-ddtree-budget"  # a number, "auto" or a comma list of widths: _budget_value
 _INT_FLAGS = {
     "tp-size": "tp_size", "context-length": "context_length", "max-running-requests": "max_running_requests",
-    "speculative-ddtree-budget": "budget", "speculative-dflash-block-size": "block_size",
+    BUDGET_FLAG: "budget", "speculative-dflash-block-size": "block_size",
     "speculative-ddtree-topk-cap": "topk_cap", "max-mamba-cache-size": "max_mamba_cache_size",
     "cuda-graph-max-bs-decode": "cuda_graph_max_bs", "chunked-prefill-size": "chunked_prefill_size",
     "page-size": "page_size", "base-gpu-id": "base_gpu_id", "gpu-id-step": "gpu_id_step",
@@ -59,7 +63,9 @@ class ServeSettings:
     mem_fraction_static: float | None = None
     context_length: int | None = None
     max_running_requests: int | None = None
-    budget: int | None = None
+    # The budget flag as the profile spells it, normalised: a number, "auto" or the widths "15,31"
+    # (adaptive: the widest sizes the window); resolved against the drafter's block in resolve().
+    budget: int | str | None = None
     block_size: int | None = None
     topk_cap: int | None = None
     mamba_ssm_dtype: str | None = None
@@ -97,7 +103,9 @@ def from_flags(flags: dict[str, Any] | None) -> ServeSettings:
         if value is None or (value is False and flag not in _BOOL_FLAGS):
             continue
         try:
-            if flag in _INT_FLAGS:
+            if flag == BUDGET_FLAG:
+                values["budget"] = _budget_value(value)
+            elif flag in _INT_FLAGS:
                 values[_INT_FLAGS[flag]] = _as_int(flag, value)
             elif flag in _FLOAT_FLAGS:
                 values[_FLOAT_FLAGS[flag]] = float(value)
@@ -107,6 +115,8 @@ def from_flags(flags: dict[str, Any] | None) -> ServeSettings:
                 values[_BOOL_FLAGS[flag]] = value is True or str(value).lower() in ("true", "1", "yes")
             else:
                 ignored.append(flag)
+        except PlanError:
+            raise
         except (TypeError, ValueError):
             raise PlanError(f"--{flag} takes a number, got {value!r}") from None
     settings = ServeSettings(**values, ignored=tuple(sorted(ignored)))
@@ -124,6 +134,26 @@ def to_flags(settings: ServeSettings) -> dict[str, Any]:
             if value != getattr(default, attr):
                 out[flag] = value
     return out
+
+
+def _budget_value(value: Any) -> int | str:
+    """The budget flag's three spellings (``core/decoder_settings.parse_budget``): a number (one width),
+    ``auto``, or a comma list of 2..MAX_WIDTHS widths, kept as the flag's text (``15,31``, sorted).
+    PlanError naming the flag, the value and what it takes."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return _as_int(BUDGET_FLAG, value)
+    try:
+        spec = parse_budget(value, what=f"--{BUDGET_FLAG}")
+    except SettingsError as exc:
+        raise PlanError(str(exc)) from None
+    return ",".join(str(b) for b in spec) if isinstance(spec, tuple) else spec
+
+
+def _budgets(value: int | str | None) -> list[int]:
+    """The budgets a settled flag value names (none for ``auto``: they follow the drafter's block)."""
+    if value is None or value == AUTO:
+        return []
+    return [value] if isinstance(value, int) else [int(b) for b in value.split(",")]
 
 
 def _as_int(flag: str, value: Any) -> int:
@@ -155,7 +185,12 @@ def _check(s: ServeSettings) -> None:
         problems.append(f"mamba-full-memory-ratio must be in (0, 100], got {s.mamba_full_memory_ratio}")
     for name, (low, high) in LIMITS.items():
         value = getattr(s, name)
-        if value is not None and not low <= value <= high:
+        if name == "budget":
+            bad = [b for b in _budgets(value) if not low <= b <= high]
+            if bad:
+                listed = "" if isinstance(value, int) else f" (in {value})"
+                problems.append(f"budget must be in {low}..{high}, got {bad[0]}{listed}")
+        elif value is not None and not low <= value <= high:
             problems.append(f"{name.replace('_', '-')} must be in {low}..{high}, got {value}")
     if s.mamba_ssm_dtype is not None and s.mamba_ssm_dtype not in DTYPE_BYTES:
         problems.append(f"mamba-ssm-dtype must be one of {', '.join(DTYPE_BYTES)}, got {s.mamba_ssm_dtype!r}")
@@ -191,6 +226,7 @@ class Resolved:
 
     @property
     def budget(self) -> int:
+        """The widest verify budget (an adaptive server's widest width sizes its window and scratch)."""
         return self.decoder.budget
 
     @property

@@ -177,13 +177,19 @@ class NoComparison(TooFewRounds):
 Fit = Callable[[DecoderSettings], str | None]  # why a setting does not fit the host (None: it fits)
 
 
-def runnable(labels: list[str], *, current: str, horizon: int, fit: Fit | None = None) -> dict[str, Any]:
+def runnable(labels: list[str], *, current: str | None, horizon: int, fit: Fit | None = None,
+             runs: DecoderSettings | None = None) -> dict[str, Any]:  # fmt: skip
     """Per setting, why the host cannot run it (None: it can): above the validated limit
     (``decoder_settings.VALIDATED_MAX_BUDGET``), or not fitting the host's GPUs as ``ddtree plan``
     decides (``fit``: the reason, None when it fits). Without a plan, a setting that needs more memory
-    per request than the one that runs (a wider KV window or verify) is left out: its fit is unknown."""
+    per request than the one that runs (a wider KV window or verify) is left out: its fit is unknown.
+    ``runs``: what the server runs when no one label names it (adaptive widths: the widest sizes memory)."""
     block = horizon + 1
-    now = settings_for_label(current, block)
+    if current is None and runs is None:
+        raise ValueError("runnable needs the setting that runs: its label, or its settings (runs=)")
+    now = settings_for_label(current, block) if current is not None else runs
+    assert now is not None
+    shown = current if current is not None else now.shown
     out: dict[str, str | None] = {}
     for label in labels:
         s = settings_for_label(label, block)
@@ -195,7 +201,7 @@ def runnable(labels: list[str], *, current: str, horizon: int, fit: Fit | None =
         elif fit is not None:
             out[label] = fit(s)
         elif s.kv_window > now.kv_window or s.verify_rows > now.verify_rows:
-            out[label] = (f"needs more memory per request than {current} (KV window {s.kv_window} > "
+            out[label] = (f"needs more memory per request than {shown} (KV window {s.kv_window} > "
                           f"{now.kv_window} or verify rows {s.verify_rows} > {now.verify_rows}) and its fit "
                           "is not planned: give --models-json (ddtree plan's) to decide")  # fmt: skip
         else:
@@ -206,10 +212,16 @@ def runnable(labels: list[str], *, current: str, horizon: int, fit: Fit | None =
 def recommend(settings: list[Setting], *, concurrency: float, current: str | None, rounds: int,
               gpu: str = "H200", tp: int = 1, table: Mapping[str, Mapping[int, float]] | None = None,
               min_rounds: int = MIN_ROUNDS, left_out: Mapping[str, str | None] | None = None,
-              server: Mapping[str, Mapping[int, float]] | None = None) -> dict[str, Any]:  # fmt: skip
+              server: Mapping[str, Mapping[int, float]] | None = None,
+              adaptive: DecoderSettings | None = None) -> dict[str, Any]:  # fmt: skip
     """The table and the pick among the settings the host can run (``left_out``: label -> why not, from
     :func:`runnable`; ``server``: the server's own prices, :func:`priced_ms`). Raises TooFewRounds /
-    NoComparison (not enough evidence: exit 1) and ValueError."""
+    NoComparison (not enough evidence: exit 1) and ValueError.
+
+    ``adaptive``: the server runs these widths (``current`` None: no one setting runs, each round picks
+    its width). The table is priced as for any server (its prices scaled by the narrowest of its widths
+    that the server priced), the best runnable setting named, and nothing compared or recommended: there
+    is no single current setting to compare against (``recommended`` and ``gain`` None)."""
     if not (isinstance(concurrency, int | float) and math.isfinite(concurrency) and 1 <= concurrency <= 4096):
         raise ValueError(f"concurrency must be a number in 1..4096, got {concurrency!r}")
     if rounds < min_rounds:
@@ -218,10 +230,14 @@ def recommend(settings: list[Setting], *, concurrency: float, current: str | Non
             "(raise --speculative-ddtree-counterfactual-fraction or wait for more greedy traffic)"
         )
     measured = [s.label for s in settings]
-    if current is None:
+    anchor = current
+    if current is None and adaptive is not None:
+        widths = [str(b) for b in adaptive.widths]
+        anchor = next((w for w in widths if w in measured and server and w in server), None)
+    elif current is None:
         raise NoComparison("the setting this host runs is unknown: pass --current chain|BUDGET or --profile "
                            "NAME, or --url of a server whose /server_info says it; no proposal without it")
-    if current not in measured:
+    if current is not None and current not in measured:
         raise NoComparison(f"the host runs {current}, which the counters do not measure (they hold "
                            f"{', '.join(measured) or 'none'}): add it to the server's "
                            "--speculative-ddtree-counterfactual-budgets; no proposal without it")  # fmt: skip
@@ -230,7 +246,7 @@ def recommend(settings: list[Setting], *, concurrency: float, current: str | Non
     for s in settings:
         try:
             ms, source = priced_ms(s.label, concurrency, gpu=gpu, tp=tp, table=table, server=server,
-                                   anchor=current)  # fmt: skip
+                                   anchor=anchor)  # fmt: skip
         except KeyError:
             if s.label == current:
                 raise NoComparison(f"the round-cost table (--round-ms-json) has no cost for {current}, the "
@@ -243,8 +259,14 @@ def recommend(settings: list[Setting], *, concurrency: float, current: str | Non
                      "tokens_per_s": tps, "tokens_per_s_se": tps * rel, "paired_se": s.paired_se,
                      "running": s.running, "left_out": left_out.get(s.label),
                      "cost_source": source})  # fmt: skip
+    candidates = [r for r in rows if r["left_out"] is None]
+    if current is None:  # adaptive: the table and the best runnable setting, nothing to compare against
+        best_label = max(candidates, key=lambda r: r["tokens_per_s"])["setting"] if candidates else None
+        return {"gpu": gpu, "tp": tp, "concurrency": concurrency, "rounds": rounds, "current": None,
+                "recommended": None, "best_runnable": best_label, "table": rows, "gain": None,
+                "gain_se": None, "gain_se_method": "none", "change": False}  # fmt: skip
     cur = next(r for r in rows if r["setting"] == current)
-    best = max((r for r in rows if r["left_out"] is None), key=lambda r: r["tokens_per_s"])
+    best = max(candidates, key=lambda r: r["tokens_per_s"])
     gain = best["tokens_per_s"] / cur["tokens_per_s"] - 1
     if best is cur:
         se, how = 0.0, "none"

@@ -37,10 +37,10 @@ def host_fit(pair: ModelPair, gpus: list[gpu_facts.GpuFacts], flags: Mapping[str
 
 
 def load_host_fit(models_json: str, *, profile: str | None, profiles_file: str | None, gpus: str | None,
-                  gpu: str, tp: int) -> tuple[Fit, str | None]:  # fmt: skip
+                  gpu: str, tp: int) -> tuple[Fit, DecoderSettings | None]:  # fmt: skip
     """``--models-json`` (``model_files.py describe``'s output), the profile's flags and the GPUs (``--gpus``,
-    else the profile's ``runs_on.gpus``, else ``--tp`` x ``--gpu``) -> the fit check, and the setting the
-    profile runs (its label, or None without a profile). PlanError on input the planner refuses."""
+    else the profile's ``runs_on.gpus``, else ``--tp`` x ``--gpu``) -> the fit check, and the settings the
+    profile runs (None without a profile). PlanError on input the planner refuses."""
     pair = model_pair_from_description(parse_json(read_input(models_json), "--models-json", dict))
     flags: dict[str, Any] = {}
     runs = None
@@ -51,16 +51,23 @@ def load_host_fit(models_json: str, *, profile: str | None, profiles_file: str |
             raise PlanError(f"unknown profile {profile!r}; profiles: {', '.join(profiles)}")
         flags = dict(profiles[profile].get("flags") or {})
         spec = spec or (profiles[profile].get("runs_on") or {}).get("gpus")
-        runs = profile_label(flags, pair.draft.block_size)
+        runs = profile_settings(flags, pair.draft.block_size)
     spec = spec or f"{tp}x{gpu}"
     host = gpu_facts.parse_shorthand(str(spec))
     where = str(spec) + (f" at profile {profile}'s flags" if profile else "")
     return host_fit(pair, host, flags, where), runs
 
 
-def profile_label(flags: Mapping[str, Any], block_size: int) -> str | None:
-    """The label of the setting a profile's flags run (None: a capped tree no label names)."""
+def profile_settings(flags: Mapping[str, Any], block_size: int) -> DecoderSettings:
+    """The decoder settings a profile's flags run (a number, ``auto`` or a list of widths: the one rule);
+    SettingsError for flags the plugin refuses."""
     norm = {_flag(k): v for k, v in flags.items()}
     block = norm.get("speculative-dflash-block-size") or block_size
     return DecoderSettings.resolve(norm.get("speculative-ddtree-budget"), int(block),
-                                   norm.get("speculative-ddtree-topk-cap")).label  # fmt: skip
+                                   norm.get("speculative-ddtree-topk-cap"))  # fmt: skip
+
+
+def profile_label(flags: Mapping[str, Any], block_size: int) -> str | None:
+    """The label of the setting a profile's flags run (None: a capped tree or adaptive widths, which no
+    label names)."""
+    return profile_settings(flags, block_size).label

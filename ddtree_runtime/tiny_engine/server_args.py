@@ -19,7 +19,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from ddtree_runtime.core.decoder_settings import DecoderSettings, SettingsError
+from ddtree_runtime.core.decoder_settings import AUTO, DecoderSettings, SettingsError, parse_budget
 
 DEFAULT_DEVICE_MEMORY_MB = 128
 DEFAULT_MEM_FRACTION = 0.85  # SGLang picks one from the GPU size when unset
@@ -72,7 +72,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-dflash-block-size", type=int, default=None)
     p.add_argument("--speculative-num-steps", type=int, default=None)
     p.add_argument("--speculative-eagle-topk", type=int, default=None)
-    p.add_argument("--speculative-ddtree-budget", type=int, default=None)
+    # The plugin's three spellings parse here too (a rendered unit's flags always parse); the lab engine
+    # runs one width and refuses auto or a list at resolve, with one line (lab_budget).
+    p.add_argument("--speculative-ddtree-budget", type=_budget_word, default=None)
     p.add_argument("--speculative-ddtree-topk-cap", type=int, default=None)
     # counterfactual acceptance (docs/counterfactual-acceptance.md): the budgets scored on a sampled
     # fraction of greedy rounds, whatever the server decodes with; fraction 0 turns it off
@@ -100,6 +102,27 @@ class ServerArgsError(ValueError):
     """A flag combination SGLang refuses after parsing (it raises ValueError at resolve time)."""
 
 
+def _budget_word(text: str) -> int | str:
+    """A number as a number, any other word as it is (``auto``, ``15,31``: :func:`lab_budget` decides)."""
+    return int(text) if text.isascii() and text.isdigit() else text
+
+
+def lab_budget(value: int | str | None) -> int:
+    """The one width the lab engine verifies: the flag's number, else LAB_DEFAULT_BUDGET. ServerArgsError, one
+    line, for ``auto`` or a list (the SGLang plugin's adaptive widths) and for what no spelling takes."""
+    if value is None:
+        return LAB_DEFAULT_BUDGET
+    try:
+        spec = parse_budget(value)
+    except SettingsError as exc:
+        raise ServerArgsError(str(exc)) from None
+    if not isinstance(spec, int):
+        shown = spec if spec == AUTO else ",".join(map(str, spec))
+        raise ServerArgsError(f"the lab engine verifies one width; --speculative-ddtree-budget {shown} runs "
+                              "in the SGLang plugin (give one number here)")  # fmt: skip
+    return spec
+
+
 def resolve(args: argparse.Namespace, *, target_config: dict, draft_block_size: int | None) -> dict:
     """Resolved flat server args, as SGLang's /server_info reports them."""
     algo = (args.speculative_algorithm or "NONE").upper()
@@ -113,7 +136,8 @@ def resolve(args: argparse.Namespace, *, target_config: dict, draft_block_size: 
         raise ServerArgsError(f"the lab engine runs on one device; --tp-size {args.tp_size} is not supported")
     block = args.speculative_dflash_block_size or draft_block_size or 16
     budget = args.speculative_ddtree_budget
-    budget = LAB_DEFAULT_BUDGET if budget is None else budget
+    if algo == "DDTREE":
+        budget = lab_budget(budget)
     num_draft = {"DFLASH": block, "NONE": None}.get(algo)
     if algo == "DDTREE":
         try:
@@ -144,7 +168,7 @@ def resolve(args: argparse.Namespace, *, target_config: dict, draft_block_size: 
         speculative_dflash_block_size=block if algo != "NONE" else None,
         speculative_num_steps=1 if algo != "NONE" else None,
         speculative_eagle_topk=1 if algo != "NONE" else None,
-        speculative_ddtree_budget=budget if algo == "DDTREE" else args.speculative_ddtree_budget,
+        speculative_ddtree_budget=budget,
         max_running_requests=mrr,
         mem_fraction_static=args.mem_fraction_static or DEFAULT_MEM_FRACTION,
         context_length=args.context_length or int(target_config.get("max_position_embeddings", 32768)),

@@ -195,3 +195,45 @@ def test_hand_built_widths_must_agree_with_the_budget() -> None:
     for widths in ((31, 15), (15, 16), (15,), (15, 15, 31)):
         with pytest.raises(SettingsError, match="adaptive widths"):
             DecoderSettings(31, 16, None, widths)
+
+
+def test_the_tools_show_a_setting_one_way() -> None:
+    from ddtree_runtime.core.decoder_settings import widths_text
+
+    assert DecoderSettings(16, 16).shown == "16"
+    assert DecoderSettings.chain(16).shown == "chain"
+    assert DecoderSettings(16, 16, 4).shown == "16 (top-K cap 4)"
+    assert DecoderSettings.resolve("auto", 16).shown == "auto(15,31)"
+    assert DecoderSettings.resolve("15,31", 16).shown == "auto(15,31)"  # what auto picks, however asked
+    assert DecoderSettings.resolve("15,23,31", 16).shown == "15,23,31"
+    assert DecoderSettings.resolve("auto", 8, 4).shown == "auto(7,15) (top-K cap 4)"
+    assert widths_text([15, 31], 16) == "auto(15,31)" and widths_text([15, 31], 8) == "15,31"
+    assert widths_text((15, 31), None) == "15,31"  # no block: no way to tell auto
+
+
+def test_the_lab_engine_verifies_one_width_and_says_where_auto_runs(tmp_path) -> None:
+    """Its parser takes the plugin's three spellings (a rendered unit always parses); resolving refuses
+    auto and a list with one line naming the SGLang plugin, and keeps a number as before."""
+    from ddtree_runtime.tiny_engine.server_args import ServerArgsError, add_server_args, resolve
+
+    lab = argparse.ArgumentParser(exit_on_error=False)
+    add_server_args(lab)
+
+    def lab_resolve(budget: str, algorithm: str = "DDTREE") -> dict:
+        args = lab.parse_args(["--model-path", str(tmp_path), "--speculative-algorithm", algorithm,
+                               "--speculative-draft-model-path", str(tmp_path),
+                               "--speculative-ddtree-budget", budget])  # fmt: skip
+        return resolve(args, target_config={}, draft_block_size=16)
+
+    assert lab_resolve("16")["speculative_ddtree_budget"] == 16
+    for spelling, shown in (("auto", "auto"), ("31,15", "15,31")):
+        with pytest.raises(ServerArgsError) as caught:
+            lab_resolve(spelling)
+        flag = f"--speculative-ddtree-budget {shown}"
+        want = f"the lab engine verifies one width; {flag} runs in the SGLang plugin (give one number here)"
+        assert str(caught.value) == want
+    with pytest.raises(ServerArgsError, match="'auto' or a comma list"):
+        lab_resolve("auto2")
+    with pytest.raises(ServerArgsError, match="each once"):
+        lab_resolve("15,15")
+    assert lab_resolve("auto", "DFLASH")["speculative_ddtree_budget"] == "auto"  # not DDTREE's to read

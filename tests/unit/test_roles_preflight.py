@@ -21,6 +21,13 @@ def test_known_profile_passes():
     assert result.returncode == 0, result.stdout[-3000:]
 
 
+@pytest.mark.parametrize("budget", ["auto", "15,31"])
+def test_a_host_may_run_adaptive_widths(budget):
+    result = run("sglang_profile=shadow", json.dumps({"sglang_service_flag_overrides":
+                                                      {"speculative-ddtree-budget": budget}}))
+    assert result.returncode == 0, result.stdout[-3000:]
+
+
 def test_preflight_checks_the_checkout():
     # A folder that is no checkout (the wheel's source defaults to the checkout the roles are in).
     result = playbook(PLAYBOOKS / "preflight.yml", "-e", f"ddtree_runtime_source_dir={PLAYBOOKS}")
@@ -57,6 +64,16 @@ def test_removed_flag_spelling_is_refused():
          "sglang_service_extra_env key: 'BAD NAME' is not an environment variable name"),
         ('{"sglang_service_sandbox_disable": ["NoSuchDirective"]}', "sandbox_disable only names"),
         ('{"sglang_service_host": "0.0.0.0"}', "SGLang's API has no authentication"),
+        # the budget flag (issue 41): a number, auto or a comma list of widths, each once, at most four
+        ('{"sglang_service_flag_overrides": {"speculative-ddtree-budget": "auto2"}}',
+         "sglang_service_flag_overrides.speculative-ddtree-budget takes a whole number, 'auto' or a comma "
+         "list (15,31), got 'auto2'"),
+        ('{"sglang_service_flag_overrides": {"speculative-ddtree-budget": "15,15"}}',
+         "give 2..4 different budgets, each once"),
+        ('{"sglang_service_flag_overrides": {"speculative-ddtree-budget": 0}}',
+         "speculative-ddtree-budget: 0 is not a whole number in 1..1023 (verify width = budget + 1)"),
+        ('{"sglang_service_flag_overrides": {"speculative-ddtree-budget": "auto", '
+         '"speculative-ddtree-topk-cap": 1}}', "the chain, which has one width"),
     ],
 )
 def test_invalid_variables_are_refused_with_what_to_do(extra, expected):

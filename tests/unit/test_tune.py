@@ -251,3 +251,80 @@ def test_the_exporter_serves_the_estimate_per_budget(fake_server: str, tmp_path:
                  "--url", fake_server]) == 2  # fmt: skip
     assert "no sglang:ddtree_counterfactual_" in capsys.readouterr().err
     assert not (root / "counterfactual" / "u2.json").exists()
+
+
+# An adaptive server (issue 41): auto(15,31) on block 16, the counters scoring the chain and budgets 15,
+# 16 and 31 (the trees alike), its width state in /server_info and its width series on /metrics.
+ADAPTIVE_SNAP = _snapshot(400, {"chain": (400, 400, 400.0, 800), "15": B16, "16": B16, "31": B16}, 800, 1600)
+WIDTH_STATE = {"widths": ["15", "31"], "exploring": False,
+               "table": {"1": "15", "2": "15", "4": "15", "8": "31", "16": "31"},
+               "tokens_per_round": {"15": 4.1, "31": 5.02}, "observed_rows": {"15": 300, "31": 260},
+               "rounds": {"15": 120, "31": 80}}  # fmt: skip
+ADAPTIVE_INFO = {"speculative_algorithm": "DDTREE", "speculative_ddtree_budget": 31,
+                 "speculative_ddtree_widths": [15, 31], "speculative_dflash_block_size": 16,
+                 "internal_states": [{"ddtree_widths": WIDTH_STATE}]}  # fmt: skip
+WIDTH_SERIES = ("# TYPE sglang:ddtree_width_rounds_total counter\n"
+                'sglang:ddtree_width_rounds_total{width="15"} 120\n'
+                'sglang:ddtree_width_rounds_total{width="31"} 80\n'
+                "# TYPE sglang:ddtree_width_tokens_per_round gauge\n"
+                'sglang:ddtree_width_tokens_per_round{width="31"} 5.5\n')  # fmt: skip
+
+
+def test_an_adaptive_server_has_no_one_setting_and_still_gets_the_table(fake_server: str, capsys) -> None:
+    _Fake.metrics = _metrics_text(ADAPTIVE_SNAP) + WIDTH_SERIES
+    _Fake.info = ADAPTIVE_INFO
+    assert main(["tune", "--url", fake_server, "--concurrency", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["current"] is None and out["recommended"] is None and out["change"] is False
+    assert out["gain"] is None and [r["setting"] for r in out["table"]] == ["chain", "15", "16", "31"]
+    assert out["best_runnable"] == "15"  # 15 and 16 tie on these counters; the first wins
+    assert out["adaptive"]["setting"] == "auto(15,31)" and out["adaptive"]["widths"] == ["15", "31"]
+    assert out["adaptive"]["state"]["per_batch_size"] == "1-4:15 8-16:31"
+    assert main(["tune", "--url", fake_server, "--concurrency", "1", "--propose"]) == 0
+    text = capsys.readouterr().out
+    assert "runs now: adaptive widths auto(15,31) (the server's /server_info)" in text
+    assert ("its widths (/server_info ddtree_widths): width per batch size 1-4:15 8-16:31; 15: 120 rounds, "
+            "4.100 tok/round; 31: 80 rounds, 5.020 tok/round") in text
+    assert text.count("<- one of its widths") == 2 and "<- runs now" not in text
+    assert "no one setting runs and nothing is compared; the best single setting here is 15" in text
+    assert "host_vars: no change proposed" in text
+    # Without the state in /server_info, the /metrics series say what they can.
+    _Fake.info = {k: v for k, v in ADAPTIVE_INFO.items() if k != "internal_states"}
+    assert main(["tune", "--url", fake_server, "--concurrency", "1"]) == 0
+    assert ("its widths (/metrics sglang:ddtree_width_*): 15: 120 rounds, not yet observed; 31: 80 rounds, "
+            "5.500 tok/round") in capsys.readouterr().out
+    # A malformed state is a bad answer (exit 2), as a malformed price table is.
+    _Fake.info = {**ADAPTIVE_INFO, "internal_states": [{"ddtree_widths": {**WIDTH_STATE, "exploring": "no"}}]}
+    assert main(["tune", "--url", fake_server, "--concurrency", "1"]) == 2
+    assert "internal_states[0].ddtree_widths.exploring is 'no'" in capsys.readouterr().err
+
+
+def test_runnable_and_recommend_take_adaptive_widths_for_the_setting_that_runs() -> None:
+    from ddtree_runtime.core.decoder_settings import DecoderSettings
+
+    auto = DecoderSettings.resolve("auto", 16)
+    left = tune.runnable(["chain", "16", "31", "64"], current=None, horizon=15, runs=auto)
+    assert left["chain"] is None and left["16"] is None and left["31"] is None  # within its widest window
+    assert "above 32" in left["64"]
+    with pytest.raises(ValueError, match="needs the setting that runs"):
+        tune.runnable(["16"], current=None, horizon=15)
+    rows = [tune.Setting("chain", 2.0, 0.0), tune.Setting("16", 3.0, 0.1)]
+    rec = tune.recommend(rows, concurrency=1, current=None, rounds=400, adaptive=auto, left_out=left)
+    assert (rec["current"], rec["recommended"], rec["change"]) == (None, None, False)
+    assert rec["best_runnable"] == "16" and rec["gain"] is None
+    with pytest.raises(tune.NoComparison):
+        tune.recommend(rows, concurrency=1, current=None, rounds=400)  # neither a label nor widths
+    with pytest.raises(tune.TooFewRounds):
+        tune.recommend(rows, concurrency=1, current=None, rounds=20, adaptive=auto)
+
+
+def test_a_profile_running_auto_is_adaptive_too(tmp_path: Path, capsys) -> None:
+    scrape = tmp_path / "metrics.txt"
+    scrape.write_text(_metrics_text(ADAPTIVE_SNAP))
+    profiles = tmp_path / "profiles.yml"
+    profiles.write_text("sglang_service_profiles:\n  trial:\n    flags: {speculative-ddtree-budget: auto}\n")
+    assert main(["tune", "--metrics-file", str(scrape), "--profile", "trial", "--profiles", str(profiles),
+                 "--concurrency", "1"]) == 0  # fmt: skip
+    text = capsys.readouterr().out
+    assert "runs now: adaptive widths auto(15,31) (profile trial)" in text
+    assert "its widths: no figures published" in text
