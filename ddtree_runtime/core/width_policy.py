@@ -136,7 +136,7 @@ class WidthPolicy:
 
 DEFAULT_EXPLORE_ROWS = 256  # request-rounds each width runs before its own mean is trusted
 DEFAULT_REVISIT_EVERY = 64  # one round in this many runs a width the table did not pick (keeps it measured)
-# A width's mean follows traffic: request-rounds this many back weigh half as much as the latest.
+# A width's mean follows traffic: request-rounds this many newer halve an older one's weight.
 DEFAULT_HALF_LIFE_ROWS = 4096
 
 
@@ -166,6 +166,7 @@ class WidthChooser:
     # per width: (its mean tokens per request-round, decayed by half_life_rows; request-rounds observed)
     observed: dict[str, tuple[float, int]] = field(default_factory=dict)
     _seen: dict[str, tuple[float, int]] = field(default_factory=dict, repr=False)  # last cumulative counts
+    _decayed: dict[str, tuple[float, float]] = field(default_factory=dict, repr=False)  # (mean, weight)
 
     def __post_init__(self) -> None:
         if len(self.widths) < 2 or len(set(self.widths)) != len(self.widths):
@@ -216,13 +217,13 @@ class WidthChooser:
             if fresh <= 0 or total < last_total:
                 continue
             self._seen[w] = (total, n)
-            recent = (total - last_total) / fresh
-            if w not in self.observed:
-                self.observed[w] = (recent, n)
-                continue
-            weight = 1 - 0.5 ** (fresh / self.half_life_rows)
-            mean = self.observed[w][0]
-            self.observed[w] = (mean + weight * (recent - mean), n)
+            # A weighted mean whose earlier rows' weight halves every half_life_rows newer ones: the running
+            # average while few rows are in, a recent one once many are.
+            mean, weight = self._decayed.get(w, (0.0, 0.0))
+            weight *= 0.5 ** (fresh / self.half_life_rows)
+            mean = (mean * weight + (total - last_total)) / (weight + fresh)
+            self._decayed[w] = (mean, weight + fresh)
+            self.observed[w] = (mean, n)
         if self.policy is None:
             if all(self.observed.get(w, (0.0, 0))[1] >= self.explore_rows for w in self.widths):
                 means = {w: self.observed[w][0] for w in self.widths}

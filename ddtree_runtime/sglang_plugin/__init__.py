@@ -32,13 +32,18 @@ The modules, as a reader of SGLang's ``srt/speculative/`` looks for them (``dfla
   ``price_table`` (medians of synchronised runs per batch size, only at start-up), ``price_stages``
   (what is timed: the server's captured graphs replayed, else its eager passes, on dummy requests),
   ``price_metrics`` (the table as ``sglang:ddtree_price_*`` gauges on ``/metrics``);
+* adaptive widths (``--speculative-ddtree-budget auto`` or a list, docs/adaptive-width.md):
+  ``width_metrics`` (``sglang:ddtree_width_*``: rounds per width, each width's own tokens per round, the
+  width chosen per batch size);
 * one tree round, the subpackage ``round``: ``tree_round`` (the round with its two model passes
   injected), ``sglang_models`` (those passes on SGLang's runners), ``tree_step`` (tree, verify arrays,
   walk in SGLang's layout), ``tree_commit`` (the accepted KV into SGLang's pools), ``hybrid_state``
   (Gated DeltaNet targets' state scratch and commit), ``bounds`` (host sizes from the scheduler's
   bounds, never the device), ``draft_head`` (the drafter's per-depth distribution,
   vocabulary-parallel too), ``round_graphs`` (the round's stages between the drafter and the verify
-  and after it, as CUDA graphs per batch size);
+  and after it, as CUDA graphs per batch size), ``width_choice`` (an adaptive server's width per round
+  from its prices and each width's own tokens, counted on the device, read back asynchronously),
+  ``width_runners`` (a narrower width's own attention backend and verify graphs, behind a switch);
 * ``check``: ``python -m ddtree_runtime.sglang_plugin.check``, is DDTREE registered here?
 """
 

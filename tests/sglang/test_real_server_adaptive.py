@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from ddtree_runtime.health.probe_live import live_probe
 from tests.sglang._real_server import RealServer
 from tests.unit._tiny_engine import lab_models
 
@@ -85,8 +86,11 @@ def test_greedy_output_is_the_plain_servers_whatever_width_each_round_verifies(
         # A batch while the widths alternate, then requests joining a running batch, three times over: the
         # server leaves exploration on the way (EXPLORE_ROWS) and every answer stays the plain server's.
         started = time.monotonic()
+        emitted = rounds_run = 0  # what the requests say: tokens after the prefill's, verify rounds
         for _ in range(3):
             answers = server.generate(PROMPTS, NEW_TOKENS)
+            emitted += sum(a["meta_info"]["completion_tokens"] - 1 for a in answers)
+            rounds_run += sum(a["meta_info"]["spec_verify_ct"] for a in answers)
             for prompt, answer in zip(PROMPTS, answers, strict=True):
                 assert answer["output_ids"] == reference[prompt], prompt
             joined: dict[str, list[int]] = {}
@@ -106,10 +110,21 @@ def test_greedy_output_is_the_plain_servers_whatever_width_each_round_verifies(
         server.generate(PROMPTS[:1], 8)
         widths = _widths_state(server)["widths"]
         rounds = _rounds_metric(server.metrics())
+        # What a deploy runs last: the live probe, its lossless check, the budget as the unit writes it.
+        probe = live_probe(server.url, timeout=60, min_accept_length=1.1,
+                           expect={"speculative_ddtree_budget": ",".join(map(str, WIDTHS))})  # fmt: skip
+        assert probe.ok, probe.to_dict()
+        assert probe.figures["lossless"]["status"] == "passed", probe.figures["lossless"]
+        assert probe.figures["setting"] == "4,16", probe.figures["setting"]
     assert all(widths["rounds"][str(w)] > 0 for w in WIDTHS), widths  # both widths verified rounds
     assert not widths["exploring"] and widths["table"], widths  # the server chose per batch size
     assert set(widths["table"].values()) <= {str(w) for w in WIDTHS}
     assert all(widths["tokens_per_round"][str(w)] >= 1.0 for w in WIDTHS), widths
+    # the widths' own means, weighed by their rows, are the requests' own tokens per round (the batches'
+    # requests are a sample of the rounds: within 25 %)
+    rows = widths["observed_rows"]
+    weighed = sum(widths["tokens_per_round"][w] * n for w, n in rows.items()) / sum(rows.values())
+    assert abs(weighed - emitted / rounds_run) <= 0.25 * emitted / rounds_run, (weighed, emitted / rounds_run)
     assert set(rounds) == {str(w) for w in WIDTHS} and all(v > 0 for v in rounds.values()), rounds
     own = "its own attention backend" in server.log
     assert own is own_runtime, "the narrower width's backend was (not) built as asked"

@@ -171,8 +171,14 @@ def test_a_widths_mean_follows_traffic_by_its_half_life():
     chooser = _chooser(explore_rows=1, revisit_every=0, half_life_rows=100)
     chooser.observe({"16": 500.0, "32": 600.0}, {"16": 100, "32": 100})  # 5.0 and 6.0 a request-round
     assert chooser.observed == {"16": (5.0, 100), "32": (6.0, 100)}
-    # the next 100 request-rounds of 32 emit 4.0 each: one half-life, so the mean moves halfway
+    # the next 100 request-rounds of 32 emit 4.0 each: one half-life, so the first 100 weigh 50 against 100
     chooser.observe({"16": 500.0, "32": 1000.0}, {"16": 100, "32": 200})
-    assert chooser.observed["32"] == (5.0, 200) and chooser.observed["16"] == (5.0, 100)
+    assert chooser.observed["32"] == (pytest.approx((6.0 * 50 + 4.0 * 100) / 150), 200)
+    assert chooser.observed["16"] == (5.0, 100)
     chooser.observe({"16": 500.0, "32": 1000.0}, {"16": 100, "32": 200})  # nothing new: nothing moves
-    assert chooser.observed["32"] == (5.0, 200)
+    assert chooser.observed["32"][0] == pytest.approx(14 / 3)
+    # while few rows are in, it is the running average: a first noisy round does not stick
+    fresh = _chooser(explore_rows=1, revisit_every=0)
+    fresh.observe({"16": 1.0, "32": 1.0}, {"16": 1, "32": 1})
+    fresh.observe({"16": 1.0 + 99 * 5.0, "32": 1.0 + 99 * 6.0}, {"16": 100, "32": 100})
+    assert fresh.observed["16"][0] == pytest.approx(4.96, abs=0.01) and fresh.observed["32"][0] > 5.9
