@@ -13,7 +13,7 @@ import json
 import math
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -311,18 +311,7 @@ def server_width_state(info: Any) -> WidthState | None:
     """An adaptive server's width choice (``internal_states[i].ddtree_widths``, the first scheduler that
     publishes one: ``health/width_state``), None when none does. BadAnswer, naming the field, for a shape the
     plugin never writes."""
-    states = info.get("internal_states") if isinstance(info, dict) else None
-    if states is None:
-        return None
-    if not isinstance(states, list):
-        raise BadAnswer(f"/server_info internal_states is {ascii(states)[:60]}, not a list")
-    for i, state in enumerate(states):
-        if isinstance(state, dict) and state.get("ddtree_widths") is not None:
-            try:
-                return parse_width_state(state["ddtree_widths"], where=f"internal_states[{i}].ddtree_widths")
-            except WidthStateError as exc:
-                raise BadAnswer(f"/server_info {exc}") from None
-    return None
+    return _first_internal_state(info, "ddtree_widths", parse_width_state, WidthStateError)
 
 
 def server_prices(info: Any) -> PriceTable | None:
@@ -330,16 +319,22 @@ def server_prices(info: Any) -> PriceTable | None:
     ``internal_states[i].ddtree_prices`` of a ``/server_info`` object (data-parallel schedulers run the same
     model; each measures its own), None when no scheduler publishes one. BadAnswer, naming the field, when
     one is there in a shape the plugin never writes (``core/round_prices.parse_price_table``)."""
+    return _first_internal_state(info, "ddtree_prices", parse_price_table, PriceTableError)
+
+
+def _first_internal_state(info: Any, key: str, parse: Callable[..., Any], error: type[Exception]) -> Any:
+    """``parse`` of the first ``internal_states[i][key]`` of a ``/server_info`` object (None when no
+    scheduler publishes one); BadAnswer, naming the field, for a shape the plugin never writes."""
     states = info.get("internal_states") if isinstance(info, dict) else None
     if states is None:
         return None
     if not isinstance(states, list):
         raise BadAnswer(f"/server_info internal_states is {ascii(states)[:60]}, not a list")
     for i, state in enumerate(states):
-        if isinstance(state, dict) and state.get("ddtree_prices") is not None:
+        if isinstance(state, dict) and state.get(key) is not None:
             try:
-                return parse_price_table(state["ddtree_prices"], where=f"internal_states[{i}].ddtree_prices")
-            except PriceTableError as exc:
+                return parse(state[key], where=f"internal_states[{i}].{key}")
+            except error as exc:
                 raise BadAnswer(f"/server_info {exc}") from None
     return None
 

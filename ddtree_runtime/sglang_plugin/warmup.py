@@ -14,6 +14,7 @@ lazily is compiled too. The plugin adds it to ``--warmups`` for tree configurati
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 from typing import Any
@@ -38,6 +39,15 @@ def warmup_sizes(capture_bs: Any, max_running: int | None) -> list[int]:
         captured = [b for b in captured if b <= int(max_running)] or [int(max_running)]
     padded = [b - 1 for b in captured if b > 1]
     return sorted(set(captured) | set(padded))
+
+
+def warmup_widths(server_args: Any) -> tuple[int | None, ...]:
+    """An adaptive server's widths, each warmed at every size (its rounds take the width its requests' ids
+    name: ``round/width_choice``); (None,) for one width."""
+    from ddtree_runtime.sglang_plugin.algorithm import resolved_settings
+
+    settings = resolved_settings(server_args)
+    return settings.decoder.budgets if settings is not None and settings.decoder.adaptive else (None,)
 
 
 def wanted(device: Any, disable_cuda_graph: Any) -> bool:
@@ -82,24 +92,25 @@ async def _warm_batches(disaggregation_mode: str, tokenizer_manager: Any) -> Non
     sizes = warmup_sizes(capture_bs, max_running)
     vocab = int(getattr(getattr(tokenizer_manager, "model_config", None), "vocab_size", 1000))
     rng = random.Random(0)
-    logger.info("DDTREE warm-up: tree rounds at batch sizes %s, greedy and sampled", sizes)
-    for n in sizes:
-        for temperature in (0.0, 1.0):
-            params = {"max_new_tokens": NEW_TOKENS, "temperature": temperature, "ignore_eos": True}
-            requests = [
-                GenerateReqInput(
-                    input_ids=[rng.randrange(10, max(11, vocab - 1)) for _ in range(PROMPT_TOKENS)],
-                    sampling_params=dict(params),
-                    rid=f"{RID_PREFIX}{n}-{temperature}-{i}-{rng.getrandbits(32):08x}",
-                )
-                for i in range(n)
-            ]
-            if disaggregation_mode != "null":
-                from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+    widths = warmup_widths(getattr(tokenizer_manager, "server_args", None))
+    logger.info("DDTREE warm-up: tree rounds at batch sizes %s, greedy and sampled%s", sizes,
+                f", at each of the widths {list(widths)}" if widths != (None,) else "")  # fmt: skip
+    for width, n, temperature in itertools.product(widths, sizes, (0.0, 1.0)):
+        params = {"max_new_tokens": NEW_TOKENS, "temperature": temperature, "ignore_eos": True}
+        requests = [
+            GenerateReqInput(
+                input_ids=[rng.randrange(10, max(11, vocab - 1)) for _ in range(PROMPT_TOKENS)],
+                sampling_params=dict(params),
+                rid=f"{RID_PREFIX}{width or 'x'}-{n}-{temperature}-{i}-{rng.getrandbits(32):08x}",
+            )
+            for i in range(n)
+        ]
+        if disaggregation_mode != "null":
+            from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
 
-                for req in requests:
-                    req.bootstrap_room, req.bootstrap_host = 0, FAKE_BOOTSTRAP_HOST
-            await asyncio.gather(*(_drain(tokenizer_manager.generate_request(r, None)) for r in requests))
+            for req in requests:
+                req.bootstrap_room, req.bootstrap_host = 0, FAKE_BOOTSTRAP_HOST
+        await asyncio.gather(*(_drain(tokenizer_manager.generate_request(r, None)) for r in requests))
 
 
 def register_warmup() -> None:

@@ -19,18 +19,11 @@ import pytest
 
 from ddtree_runtime.health.probe_live import live_probe
 from tests.sglang._real_server import RealServer
+from tests.sglang.test_real_server import PROMPTS
 from tests.unit._tiny_engine import lab_models
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
-PROMPTS = [
-    "The capital of France is",
-    "the cat sees",
-    "a dog finds the",
-    "the river and the stone",
-    "<|im_start|>user\nthe old fox watches<|im_end|>\n<|im_start|>assistant\n",
-    "the small bird sings while the wind",
-]
 NEW_TOKENS = 40
 WIDTHS = (4, 16)
 EXPLORE_ROWS = 24  # request-rounds per width before the server picks by its own figures

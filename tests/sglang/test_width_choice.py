@@ -61,11 +61,28 @@ def test_counts_reach_the_chooser_by_readback_and_it_picks_per_batch_size():
     assert choice.pick([Req("a")])[0] == 16 and choice.pick([Req(str(i)) for i in range(8)])[0] == 4
 
 
-def test_warmup_rounds_cycle_the_widths_and_are_not_counted():
-    choice = WidthChoice((4, 16), _prices(), torch.device("cpu"), warmup_prefix=WARM)
-    turns = [choice.pick([Req(f"{WARM}{i}")]) for i in range(4)]
+def test_warmup_rounds_take_the_width_their_ids_name_else_cycle_and_are_not_counted():
+    from ddtree_runtime.sglang_plugin import warmup
+
+    choice = WidthChoice((4, 16), _prices(), torch.device("cpu"), warmup_prefix=warmup.RID_PREFIX)
+    named = [choice.pick([Req(f"{warmup.RID_PREFIX}{w}-8-0.0-{i}-00")]) for w in (16, 4) for i in range(3)]
+    assert named == [(16, False)] * 3 + [(4, False)] * 3
+    turns = [choice.pick([Req(f"{warmup.RID_PREFIX}x-1-0.0-{i}-00")]) for i in range(4)]  # one-width form
     assert sorted({b for b, _ in turns}) == [4, 16] and not any(c for _, c in turns)
     assert choice.chooser.rounds == 0 and choice.to_dict()["rounds"] == {"4": 0, "16": 0}
+
+
+def test_the_warmup_runs_every_width_of_an_adaptive_server():
+    from types import SimpleNamespace
+
+    from ddtree_runtime.core.decoder_settings import DecoderSettings
+    from ddtree_runtime.sglang_plugin.algorithm import RESOLVED_ATTR, PluginSettings
+    from ddtree_runtime.sglang_plugin.warmup import warmup_widths
+
+    record = SimpleNamespace(**{RESOLVED_ATTR: PluginSettings(DecoderSettings.resolve("auto", 16))})
+    assert warmup_widths(record) == (15, 31)
+    setattr(record, RESOLVED_ATTR, PluginSettings(DecoderSettings(16, 16)))
+    assert warmup_widths(record) == (None,) and warmup_widths(None) == (None,)
 
 
 def test_a_batch_larger_than_the_index_grows_it():

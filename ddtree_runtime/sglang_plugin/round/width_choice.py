@@ -9,8 +9,9 @@ complete hands the values to the chooser, with the request-rounds the host had d
 was issued (every add enqueued before the copy is in it). The batch size a round chooses by is the host's
 (``len(batch.reqs)``).
 
-Rounds of the plugin's start-up warm-up (``warmup.py``, random prompts) cycle the widths so each one's
-kernels compile before the server says ready, and are not counted: their acceptance is not traffic's.
+Rounds of the plugin's start-up warm-up (``warmup.py``, random prompts) take the width their requests' ids
+name (the warm-up runs every width at every size) so each one's kernels compile before the server says
+ready, and are not counted: their acceptance is not traffic's.
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ from ddtree_runtime.core.width_policy import WidthChooser
 logger = logging.getLogger(__name__)
 
 READBACK_INTERVAL_S = 0.5
+
+
+def _width_named(rest: str) -> int | None:
+    head = rest.split("-", 1)[0]
+    return int(head) if head.isdigit() else None
 
 
 class _Done:
@@ -69,9 +75,14 @@ class WidthChoice:
         self._warm_turn = 0
 
     def pick(self, reqs: Sequence[Any]) -> tuple[int, bool]:
-        """(budget, counted) for a round over ``reqs``: the chooser's width at ``len(reqs)``; warm-up rounds
-        take the widths in turn, uncounted."""
-        if any(str(getattr(r, "rid", "")).startswith(self.warmup_prefix) for r in reqs[:1]):
+        """(budget, counted) for a round over ``reqs``: the chooser's width at ``len(reqs)``; a warm-up round
+        takes the width its requests' ids name (the warm-up runs every width at every size), else the
+        widths in turn; uncounted."""
+        rid = str(getattr(reqs[0], "rid", "")) if reqs else ""
+        if rid.startswith(self.warmup_prefix):
+            named = _width_named(rid[len(self.warmup_prefix) :])
+            if named in self.budgets:
+                return named, False
             self._warm_turn += 1
             return self.budgets[self._warm_turn % len(self.budgets)], False
         return int(self.chooser.choose(len(reqs))), True
