@@ -27,15 +27,12 @@ from ddtree_runtime.core.counterfactual import CounterfactualSettings
 from ddtree_runtime.core.decoder_settings import VALIDATED_MAX_BUDGET, DecoderSettings, SettingsError
 from ddtree_runtime.sglang_plugin import warmup
 from ddtree_runtime.sglang_plugin.cli_args import ddtree_args_of
-from ddtree_runtime.sglang_plugin.names import ALGORITHM
+from ddtree_runtime.sglang_plugin.names import ALGORITHM, RESOLVED_ATTR
 from ddtree_runtime.sglang_plugin.refusals.resolution import DDTreeConfigError, check_hybrid, check_refusals
 
 logger = logging.getLogger(__name__)
 
 RESOLUTION_SOURCE = "ddtree_plugin"
-# SGLang 0.5.23's ServerArgs takes no new fields (its namespaces are fixed at import), so the resolved
-# settings ride on the record as a bookkeeping attribute, pickled with it to every scheduler process.
-RESOLVED_ATTR = "_ddtree_resolved"
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ import logging
 import random
 from typing import Any
 
+from ddtree_runtime.sglang_plugin.names import RESOLVED_ATTR
+
 logger = logging.getLogger(__name__)
 
 NAME = "ddtree_batches"
@@ -44,10 +46,9 @@ def warmup_sizes(capture_bs: Any, max_running: int | None) -> list[int]:
 def warmup_widths(server_args: Any) -> tuple[int | None, ...]:
     """An adaptive server's widths, each warmed at every size (its rounds take the width its requests' ids
     name: ``round/width_choice``); (None,) for one width."""
-    from ddtree_runtime.sglang_plugin.algorithm import resolved_settings
-
-    settings = resolved_settings(server_args)
-    return settings.decoder.budgets if settings is not None and settings.decoder.adaptive else (None,)
+    settings = getattr(server_args, RESOLVED_ATTR, None) if server_args is not None else None
+    decoder = getattr(settings, "decoder", None)
+    return decoder.budgets if decoder is not None and decoder.adaptive else (None,)
 
 
 def wanted(device: Any, disable_cuda_graph: Any) -> bool:
