@@ -166,6 +166,12 @@ CASES = [
      {"mem-fraction-static": 0.8, "context-length": 40960, "max-running-requests": 64}, 79.6),
     ("dense tp2", "dense",
      {"tp-size": 2, "mem-fraction-static": 0.85, "speculative-ddtree-budget": 31}, 47.99),
+    # adaptive widths: SGLang reserves, and the plan counts, the widest width's rows
+    ("hybrid auto widths (15,31)", "hybrid",
+     {**HYBRID, "mem-fraction-static": 0.85, "context-length": 32768, "max-running-requests": 16,
+      "mamba-ssm-dtype": "bfloat16", "max-mamba-cache-size": 32, "speculative-ddtree-budget": "auto"}, 140.4),
+    ("dense widths 7,15,31", "dense",
+     {"mem-fraction-static": 0.8, "context-length": 40960, "speculative-ddtree-budget": "7,15,31"}, 79.6),
 ]
 
 
