@@ -4,8 +4,9 @@ CPU, with the lab's tiny dense pair, launched as ct131 launches it.
 
 What must hold whatever width a round picks: greedy output token-identical to the plain server, for a batch
 and with requests joining a running batch while the widths alternate (exploration) and after the server has
-chosen (a short exploration, ``SGLANG_DDTREE_WIDTH_EXPLORE_ROWS``); /server_info shows the widths and the
-choice; /metrics counts rounds per width. One server at a time; the plain reference first."""
+chosen (a short exploration, ``SGLANG_DDTREE_WIDTH_EXPLORE_ROWS``); at T > 0 the tokens follow the plain
+server's distribution while the widths alternate; /server_info shows the widths and the choice; /metrics
+counts rounds per width; the live probe passes. One server at a time; the plain reference first."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from ddtree_runtime.health.probe_live import live_probe
+from tests._stats import homogeneity_p_value
 from tests.sglang._real_server import RealServer
-from tests.sglang.test_real_server import PROMPTS
+from tests.sglang.test_real_server import P_FLOOR, PROMPTS, SAMPLE_TOKENS, sample
 from tests.unit._tiny_engine import lab_models
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
@@ -35,10 +37,17 @@ def models() -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(models: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[int]]:
+def plain(models: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The plain server: greedy ids per prompt, and samples at T = 1 for the distribution test."""
     with RealServer(models / "target", None, log_dir=tmp_path_factory.mktemp("plain")) as server:
         server.wait_ready()
-        return {p: server.generate(p, NEW_TOKENS)["output_ids"] for p in PROMPTS}
+        return {"greedy": {p: server.generate(p, NEW_TOKENS)["output_ids"] for p in PROMPTS},
+                "samples": sample(server, 1.0)}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(plain: dict) -> dict[str, list[int]]:
+    return plain["greedy"]
 
 
 def _widths_state(server: RealServer) -> dict:
@@ -55,16 +64,23 @@ def _rounds_metric(text: str) -> dict[str, float]:
     return {w: float(v) for w, v in found}
 
 
-@pytest.mark.parametrize("own_runtime", [False, True], ids=["narrow-eager", "narrow-own-backend"])
-def test_greedy_output_is_the_plain_servers_whatever_width_each_round_verifies(
-    models: Path, reference: dict[str, list[int]], tmp_path_factory: pytest.TempPathFactory, own_runtime: bool
+@pytest.mark.parametrize(
+    ("own_runtime", "explore_rows"),
+    [(False, 1_000_000), (True, EXPLORE_ROWS)],
+    ids=["narrow-eager-exploring", "narrow-own-backend-chosen"],
+)
+def test_output_is_the_plain_servers_whatever_width_each_round_verifies(
+    models: Path, plain: dict, reference: dict[str, list[int]], tmp_path_factory: pytest.TempPathFactory,
+    own_runtime: bool, explore_rows: int,
 ) -> None:
     """``own_runtime``: the narrower width verifies on an attention backend of its own, swapped onto the
     target's model runner around its rounds (SGLANG_DDTREE_WIDTH_GRAPHS=1; on a GPU also its own verify
-    graphs), else on the widest width's."""
+    graphs), else on the widest width's. ``explore_rows``: the first server explores throughout (the
+    widths alternate every round, greedy and at T > 0), the second leaves exploration and chooses."""
     extra = ["--speculative-ddtree-budget", ",".join(map(str, WIDTHS)), "--enable-metrics"]
-    env = {"SGLANG_DDTREE_WIDTH_EXPLORE_ROWS": str(EXPLORE_ROWS),
+    env = {"SGLANG_DDTREE_WIDTH_EXPLORE_ROWS": str(explore_rows),
            "SGLANG_DDTREE_WIDTH_GRAPHS": "1" if own_runtime else "0"}  # fmt: skip
+    exploring = explore_rows > EXPLORE_ROWS
     log_dir = tmp_path_factory.mktemp("adaptive-own" if own_runtime else "adaptive")
     with RealServer(models / "target", models / "draft", log_dir=log_dir, extra=extra, env=env) as server:
         ready = server.wait_ready()
@@ -76,8 +92,8 @@ def test_greedy_output_is_the_plain_servers_whatever_width_each_round_verifies(
         prices = {e["width"] for t in tables for e in t.get("entries", [])}
         assert prices == {str(w) for w in WIDTHS}, prices  # every width priced at start-up
 
-        # A batch while the widths alternate, then requests joining a running batch, three times over: the
-        # server leaves exploration on the way (EXPLORE_ROWS) and every answer stays the plain server's.
+        # A batch, then requests joining a running batch, three times over; every answer is the plain
+        # server's (the second server leaves exploration on the way).
         started = time.monotonic()
         emitted = rounds_run = 0  # what the requests say: tokens after the prefill's, verify rounds
         for _ in range(3):
@@ -103,15 +119,18 @@ def test_greedy_output_is_the_plain_servers_whatever_width_each_round_verifies(
         server.generate(PROMPTS[:1], 8)
         widths = _widths_state(server)["widths"]
         rounds = _rounds_metric(server.metrics())
+        sampled = sample(server, 1.0) if exploring else None  # T > 0, the widths alternating
         # What a deploy runs last: the live probe, its lossless check, the budget as the unit writes it.
         probe = live_probe(server.url, timeout=60, min_accept_length=1.1,
                            expect={"speculative_ddtree_budget": ",".join(map(str, WIDTHS))})  # fmt: skip
         assert probe.ok, probe.to_dict()
         assert probe.figures["lossless"]["status"] == "passed", probe.figures["lossless"]
         assert probe.figures["setting"] == "4,16", probe.figures["setting"]
+    assert ("its own attention backend" in server.log) is own_runtime, "the narrow width's backend, as asked"
     assert all(widths["rounds"][str(w)] > 0 for w in WIDTHS), widths  # both widths verified rounds
-    assert not widths["exploring"] and widths["table"], widths  # the server chose per batch size
-    assert set(widths["table"].values()) <= {str(w) for w in WIDTHS}
+    assert widths["exploring"] is exploring, widths
+    if not exploring:  # the server chose per batch size
+        assert widths["table"] and set(widths["table"].values()) <= {str(w) for w in WIDTHS}, widths
     assert all(widths["tokens_per_round"][str(w)] >= 1.0 for w in WIDTHS), widths
     # the widths' own means, weighed by their rows, are the requests' own tokens per round (the batches'
     # requests are a sample of the rounds: within 25 %)
@@ -119,7 +138,13 @@ def test_greedy_output_is_the_plain_servers_whatever_width_each_round_verifies(
     weighed = sum(widths["tokens_per_round"][w] * n for w, n in rows.items()) / sum(rows.values())
     assert abs(weighed - emitted / rounds_run) <= 0.25 * emitted / rounds_run, (weighed, emitted / rounds_run)
     assert set(rounds) == {str(w) for w in WIDTHS} and all(v > 0 for v in rounds.values()), rounds
-    own = "its own attention backend" in server.log
-    assert own is own_runtime, "the narrower width's backend was (not) built as asked"
+    figures = {}
+    if sampled is not None:
+        # each sampled token after the prefill's comes from the target's own distribution, whatever width
+        for pos in range(1, SAMPLE_TOKENS):
+            p = homogeneity_p_value([ids[pos] for ids in sampled], [ids[pos] for ids in plain["samples"]])
+            figures[f"p_token_{pos}"] = round(p, 5)
+            assert p > P_FLOOR, (pos, p)
+    seconds = round(time.monotonic() - started, 1)
     print(json.dumps({"scenario": "adaptive_widths", "own_runtime": own_runtime, "ready_seconds": ready,
-                      "generate_seconds": round(time.monotonic() - started, 1), **widths}))  # fmt: skip
+                      "generate_seconds": seconds, **widths, **figures}))  # fmt: skip
