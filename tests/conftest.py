@@ -50,7 +50,7 @@ def group_of(nodeid: str) -> str:
 # quietly turn slow; a new fast module is added here.
 FAST_MODULES = frozenset(f"tests/unit/{name}.py" for name in (
     "test_contract", "test_controller_tasks", "test_counterfactual", "test_counterfactual_hook",
-    "test_decoder_settings", "test_evidence", "test_width_policy",
+    "test_decoder_settings", "test_evidence", "test_width_policy", "test_adaptive_width_figures",
     "test_import_graph", "test_lab_base", "test_tree_order", "test_tiny_engine", "test_tiny_hf_tokenizer",
     "test_lab_packages", "test_lossless", "test_metrics_exporter_role", "test_parallel_run",
     "test_plugin_map", "test_plugin_warmup", "test_profile_choice", "test_readiness", "test_report_file",

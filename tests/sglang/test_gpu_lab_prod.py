@@ -115,6 +115,8 @@ def test_prod_and_bench_specs_take_adaptive_widths(monkeypatch):
     budgets = {s.name: s.overrides.get("speculative-ddtree-budget") for s in cases.bench_specs()}
     assert budgets["hybrid-ddtree-b16"] == 16 and budgets["hybrid-ddtree-bauto"] == "auto"
     assert budgets["hybrid-ddtree-b15,31"] == "15,31"
+    env = {s.name: s.env for s in cases.bench_specs()}
+    assert env["hybrid-ddtree-bauto"] == {"SGLANG_DDTREE_WIDTH_GRAPHS": "1"} and not env["hybrid-ddtree-b16"]
 
 
 def test_the_label_counted_is_the_one_sglang_writes():

@@ -226,7 +226,12 @@ def bench_specs() -> list[Spec]:
         specs += [Spec(f"{pair}-plain", pair, extra=idle), Spec(f"{pair}-dflash", pair, "DFLASH", extra=idle)]
         for budget in budgets:
             over = {"speculative-ddtree-budget": budget}
-            specs.append(Spec(f"{pair}-ddtree-b{budget}", pair, "DDTREE", overrides=over, extra=idle))
+            # An adaptive server's narrower widths on their own verify graphs unless
+            # DDTREE_GPU_LAB_WIDTH_GRAPHS=0 (sglang_plugin/round/width_runners.py).
+            own = {} if isinstance(budget, int) else {
+                "SGLANG_DDTREE_WIDTH_GRAPHS": os.environ.get("DDTREE_GPU_LAB_WIDTH_GRAPHS", "1")}  # fmt: skip
+            name = f"{pair}-ddtree-b{budget}"
+            specs.append(Spec(name, pair, "DDTREE", env=own, overrides=over, extra=idle))
             base = baseline_env()
             if base:  # the packed plugin (pack.py --baseline REF), measured in the same call
                 name = f"{pair}-ddtree-b{budget}-baseline"
@@ -256,6 +261,8 @@ def run_bench(
                     )  # fmt: skip
                 except RuntimeError as exc:
                     emit({"case": "bench", "server": name, "error": str(exc)[-1500:]})
+                else:
+                    emit_widths(pair, name, server)
             ids = {
                 name: {lvl: row.pop("ids") for lvl, row in levels.items()} for name, levels in results.items()
             }
@@ -274,6 +281,19 @@ def run_bench(
         for server in servers.values():
             if isinstance(server, GpuServer):
                 server.stop()
+
+
+def emit_widths(pair: str, name: str, server: GpuServer) -> None:
+    """An adaptive server's width choice and prices after its levels (``bench_widths``: what
+    scripts/bench/adaptive_width_figures.py compares with the fixed servers); nothing for one width."""
+    status, info = server.request("/server_info")
+    if status != 200 or not isinstance(info, dict) or "speculative_ddtree_widths" not in info:
+        return
+    for state in info.get("internal_states") or []:
+        if isinstance(state, dict) and "ddtree_widths" in state:
+            emit({"case": "bench_widths", "pair": pair, "server": name, **state["ddtree_widths"],
+                  "prices": state.get("ddtree_prices")})  # fmt: skip
+            return
 
 
 # --- the production shape: Qwen3.6-27B with dummy weights ------------------------------------------
