@@ -352,7 +352,7 @@ class DDTreeWorker(DFlashWorkerV2):
             # Carried over from the previous overlap iteration, possibly made on another stream
             # (as DFlashWorkerV2's decode does).
             batch.seq_lens.record_stream(torch.cuda.current_stream(batch.seq_lens.device))
-        models = self._scored_models(batch, budget)
+        models = self._scored_models(batch)
         commit_state = None
         if getattr(self, "_need_mamba_verify_commit", False):
             # GDN hybrid: the accepted node's recurrent state, committed after the walk and the
@@ -420,16 +420,16 @@ class DDTreeWorker(DFlashWorkerV2):
         )
         return replace(cfg, window=decoder.kv_window) if at is not decoder else cfg
 
-    def _round_models(self, batch: Any, budget: int | None = None) -> Any:
+    def _round_models(self, batch: Any) -> Any:
         """The round's model passes (``tree_round.RoundModels``): SGLang's runners."""
         from ddtree_runtime.sglang_plugin.round.sglang_models import SGLangRoundModels
 
-        return SGLangRoundModels(self, batch, budget=budget)
+        return SGLangRoundModels(self, batch)
 
-    def _scored_models(self, batch: Any, budget: int | None = None) -> Any:
+    def _scored_models(self, batch: Any) -> Any:
         """:meth:`_round_models`, the drafter's head output teed to counterfactual scoring on a sampled
         round."""
-        models = self._round_models(batch) if budget is None else self._round_models(batch, budget)
+        models = self._round_models(batch)
         scoring = getattr(self, "_ddtree_scoring", None)
         return scoring.models(models, int(self.block_size)) if scoring else models
 

@@ -174,11 +174,18 @@ def test_an_adaptive_worker_switches_widths_between_rounds_reads_nothing_back_an
     req_pool = worker._target_worker.model_runner.req_to_token_pool
     req_pool.req_to_token = on_device(req_pool.req_to_token)
     calls: list[str] = []
-    budgets: list[int | None] = []
+    verify_rows: list[int] = []  # each round's verify rows per request: its width + 1
 
-    def models(batch, budget=None):
-        budgets.append(budget)
-        return GuardedModels(toy, calls)
+    def models(batch):
+        guarded = GuardedModels(toy, calls)
+        verify = guarded.target_verify
+
+        def target_verify(plan, *args, **kwargs):
+            verify_rows.append(int(plan.draft_token_num))
+            return verify(plan, *args, **kwargs)
+
+        guarded.target_verify = target_verify
+        return guarded
 
     worker._round_models = models
     prices = PriceTable({(w, b): RoundPrice(0.01, 0.001) for w in ("3", "7") for b in (1, 2)}, "eager", 5)
@@ -189,6 +196,6 @@ def test_an_adaptive_worker_switches_widths_between_rounds_reads_nothing_back_an
     out = _decode(worker, rows, bonus, prompts, 6, calls=calls)
     for p, got in zip(prompts, out, strict=True):
         assert got == toy.target.reference_greedy(p, len(got))
-    assert budgets == [3, 7] * 3  # the widths alternated, each round its own
+    assert verify_rows == [4, 8] * 3  # the widths alternated, each round verifying its own rows
     emitted = sum(len(o) - 1 for o in out)
     assert int(on_host(choice.tokens).sum()) == emitted  # every emitted token counted on its width

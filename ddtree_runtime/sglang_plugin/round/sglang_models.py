@@ -33,10 +33,9 @@ from ddtree_runtime.sglang_plugin.round.tree_step import TreeVerifyBatch
 class SGLangRoundModels:
     """One round's model passes for ``DDTreeWorker`` (see module docstring)."""
 
-    def __init__(self, worker: Any, batch: Any, *, budget: int | None = None) -> None:
+    def __init__(self, worker: Any, batch: Any) -> None:
         self.worker = worker
         self.batch = batch
-        self.budget = budget  # the round's width (an adaptive server's); None: the server's budget
         self.draft_hidden_rows: int | None = None
         self.last_target_out: Any = None
 
@@ -55,7 +54,9 @@ class SGLangRoundModels:
             # TP: a vocabulary shard per rank, top-K + logsumexp exchanged (draft_head, tp_head)
             head = draft_head(
                 rows, lm_head, vocab, get_parallel().tp_group,
-                budget=self.budget or decoder.budget, topk_cap=decoder.topk_cap,
+                # An adaptive server's widest budget whatever the round's width: a narrower tree builds
+                # from the same lists, and counterfactual scoring's candidates rank with this K.
+                budget=decoder.budget, topk_cap=decoder.topk_cap,
             )
         if isinstance(head, DraftTopK):
             return head.reshape(bs, block - 1)  # depths 1..L only
