@@ -182,3 +182,48 @@ def bench_server(
             "requests": n, "repeats": repeats, "ids": ids,
         }  # fmt: skip
     return summary
+
+
+def bench_phases(
+    url: str,
+    prompts: Sequence[str],
+    *,
+    phases: Sequence[int],
+    requests_per_phase: int | None = None,
+    repeats: int = 3,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    label: str = "",
+    emit: Any = print,
+) -> dict[str, Any]:
+    """A load whose concurrency changes inside one run: the ``phases`` (``1 16 4 1``) back to back, nothing
+    between them, ``repeats`` times; each repeat's tokens over its whole wall time (the server meets every
+    change of load as traffic brings it: what an adaptive width is for). Returns the median, each phase's
+    median tokens/s, and the last repeat's output ids per phase."""
+    if not phases:
+        raise ValueError("phases: give at least one concurrency")
+    run_level(url, prompts[:1], concurrency=1, requests=1, max_new_tokens=8, temperature=temperature)
+    runs: list[dict[str, Any]] = []
+    ids: list[list[list[int]]] = []
+    for repeat in range(repeats):
+        rows, ids = [], []
+        for level in phases:
+            n = requests_per_phase or max(2 * level, len(prompts))
+            results, wall = run_level(url, prompts, concurrency=level, requests=n,
+                                      max_new_tokens=max_new_tokens, temperature=temperature)  # fmt: skip
+            rows.append(summarize(results, wall))
+            ids.append([r.output_ids for r in results])
+        tokens, wall = sum(r["tokens"] for r in rows), sum(r["wall_s"] for r in rows)
+        run = {"tokens": tokens, "wall_s": round(wall, 4),
+               "output_tokens_per_s": round(tokens / wall, 2) if wall > 0 else 0.0,
+               "phase_tokens_per_s": [r["output_tokens_per_s"] for r in rows]}  # fmt: skip
+        emit(json.dumps({"bench": "server_phases", "server": label, "phases": list(phases), "repeat": repeat,
+                         **run}))  # fmt: skip
+        runs.append(run)
+    return {
+        "phases": list(phases), "repeats": repeats,
+        "output_tokens_per_s": statistics.median(r["output_tokens_per_s"] for r in runs),
+        "phase_tokens_per_s": [statistics.median(r["phase_tokens_per_s"][i] for r in runs)
+                               for i in range(len(phases))],
+        "ids": ids,
+    }  # fmt: skip

@@ -89,16 +89,40 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def phases_table(lines: list[dict[str, Any]]) -> list[str]:
+    """A load whose concurrency changes inside one run (``DDTREE_GPU_LAB_PHASES``): each server's tokens/s
+    over the whole run and its ratio to DFLASH (goal: auto ahead of every fixed budget and of DFLASH)."""
+    rows = [r for r in lines if r.get("case") == "bench_phases" and r.get("output_tokens_per_s")]
+    out: list[str] = []
+    for pair in sorted({r["pair"] for r in rows}):
+        mine = {r["server"]: r for r in rows if r["pair"] == pair}
+        dflash = mine.get(f"{pair}-dflash", {}).get("output_tokens_per_s")
+        phases = " -> ".join(str(p) for p in next(iter(mine.values()))["phases"])
+        out += ["", f"{pair}, concurrency {phases} in one run:"]
+        out += ["| server | tok/s | x DFLASH |", "|---|---|---|"]
+        for name, r in sorted(mine.items()):
+            ratio = round(r["output_tokens_per_s"] / dflash, 3) if dflash else None
+            out.append(f"| {name} | {r['output_tokens_per_s']} | {ratio} |")
+        autos = [n for n in mine if not FIXED.search(n) and "-ddtree-b" in n]
+        fixed = [n for n in mine if FIXED.search(n)]
+        for name in autos:
+            ahead = all(mine[name]["output_tokens_per_s"] > mine[f]["output_tokens_per_s"] for f in fixed)
+            beats = dflash is not None and mine[name]["output_tokens_per_s"] > dflash
+            out.append(f"{name}: ahead of every fixed budget: {ahead}; ahead of DFLASH: {beats}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="+", type=Path)
     parser.add_argument("--json", action="store_true", help="one JSON line per cell instead of the table")
     args = parser.parse_args(argv)
-    rows = cells(read(args.files))
+    lines = read(args.files)
+    rows = cells(lines)
     if not rows:
         print("no adaptive server in these lines (cases bench with DDTREE_GPU_LAB_BUDGETS holding auto)")
         return 1
-    for line in ([json.dumps(r) for r in rows] if args.json else table(rows)):
+    for line in ([json.dumps(r) for r in rows] if args.json else table(rows) + phases_table(lines)):
         print(line)
     return 0
 

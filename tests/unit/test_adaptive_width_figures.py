@@ -49,3 +49,18 @@ def test_the_chosen_width_is_the_bucket_that_holds_the_concurrency():
     got = [figures.chosen_width(table, c) for c in (1, 2, 4, 5, 8, 64)]
     assert got == ["31", "31", "31", "15", "15", "15"]
     assert figures.chosen_width({}, 4) is None
+
+
+def test_the_changing_load_says_whether_auto_is_ahead_of_every_fixed_budget_and_dflash():
+    def phases(server: str, rate: float) -> dict:
+        return {"case": "bench_phases", "pair": "hybrid", "server": server, "phases": [1, 16, 4, 1],
+                "output_tokens_per_s": rate}  # fmt: skip
+
+    lines = [phases("hybrid-dflash", 2000.0), phases("hybrid-ddtree-b15", 2300.0),
+             phases("hybrid-ddtree-b31", 2200.0), phases("hybrid-ddtree-bauto", 2400.0)]  # fmt: skip
+    text = "\n".join(figures.phases_table(lines))
+    assert "hybrid, concurrency 1 -> 16 -> 4 -> 1 in one run:" in text
+    assert "| hybrid-ddtree-bauto | 2400.0 | 1.2 |" in text
+    assert "hybrid-ddtree-bauto: ahead of every fixed budget: True; ahead of DFLASH: True" in text
+    lines[1]["output_tokens_per_s"] = 2500.0
+    assert "ahead of every fixed budget: False" in "\n".join(figures.phases_table(lines))

@@ -123,3 +123,20 @@ def test_each_level_runs_once_unmeasured_before_its_repeats(server, monkeypatch)
     bench_server(server, ["ab"], levels=[2], repeats=2, max_new_tokens=TOKENS, emit=lines.append,
                  warm_each_level=False)  # fmt: skip
     assert [json.loads(x)["bench"] for x in lines] == ["server", "server"] and calls == [1, 2, 2]
+
+
+def test_phases_run_back_to_back_and_count_every_token_over_the_whole_wall_time(server):
+    from ddtree_runtime.health.server_bench import bench_phases
+
+    lines: list[str] = []
+    out = bench_phases(server, ["ab", "abc"], phases=[1, 4, 1], repeats=2, max_new_tokens=TOKENS,
+                       emit=lines.append)  # fmt: skip
+    runs = [json.loads(x) for x in lines]
+    assert [r["repeat"] for r in runs] == [0, 1] and all(r["phases"] == [1, 4, 1] for r in runs)
+    # 2 + 8 + 2 requests of TOKENS tokens each repeat, over the phases' summed wall time
+    assert all(r["tokens"] == 12 * TOKENS for r in runs)
+    assert all(r["output_tokens_per_s"] == pytest.approx(r["tokens"] / r["wall_s"], rel=1e-3) for r in runs)
+    assert len(out["phase_tokens_per_s"]) == 3 and len(out["ids"]) == 3 and len(out["ids"][1]) == 8
+    assert Streamer.peak == 4  # the middle phase really ran four at a time
+    with pytest.raises(ValueError, match="at least one concurrency"):
+        bench_phases(server, ["ab"], phases=[])

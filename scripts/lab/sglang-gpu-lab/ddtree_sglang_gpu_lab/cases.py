@@ -262,6 +262,7 @@ def run_bench(
                 except RuntimeError as exc:
                     emit({"case": "bench", "server": name, "error": str(exc)[-1500:]})
                 else:
+                    bench_phases_of(pair, name, server, repeats)
                     emit_widths(pair, name, server)
             ids = {
                 name: {lvl: row.pop("ids") for lvl, row in levels.items()} for name, levels in results.items()
@@ -281,6 +282,24 @@ def run_bench(
         for server in servers.values():
             if isinstance(server, GpuServer):
                 server.stop()
+
+
+def bench_phases_of(pair: str, name: str, server: GpuServer, repeats: int) -> None:
+    """With ``DDTREE_GPU_LAB_PHASES`` (``1 16 4 1``): a load whose concurrency changes inside one run, after
+    the levels (``bench_phases`` summary line, ``health/server_bench.bench_phases``)."""
+    from ddtree_runtime.health.server_bench import bench_phases
+
+    phases = [int(x) for x in os.environ.get("DDTREE_GPU_LAB_PHASES", "").split()]
+    if not phases:
+        return
+    try:
+        out = bench_phases(server.url, PROMPTS, phases=phases, repeats=repeats, label=name,
+                           emit=lambda line: print(line, flush=True))  # fmt: skip
+    except RuntimeError as exc:
+        emit({"case": "bench_phases", "pair": pair, "server": name, "error": str(exc)[-1500:]})
+        return
+    out.pop("ids")
+    emit({"case": "bench_phases", "pair": pair, "server": name, **out})
 
 
 def emit_widths(pair: str, name: str, server: GpuServer) -> None:
