@@ -17,24 +17,15 @@ import argparse
 import bisect
 import json
 import re
+import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from round_price_figures import read  # the raw lines: one reader for the figures scripts
+
 FIXED = re.compile(r"-ddtree-b(\d+)$")
-
-
-def read(paths: list[Path]) -> list[dict[str, Any]]:
-    lines = []
-    for path in paths:
-        for raw in path.read_text().splitlines():
-            raw = raw.strip()
-            if raw.startswith("{"):
-                try:
-                    lines.append(json.loads(raw))
-                except json.JSONDecodeError:
-                    continue
-    return lines
 
 
 def chosen_width(table: dict[str, str], concurrency: int) -> str | None:
