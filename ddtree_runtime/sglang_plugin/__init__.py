@@ -43,7 +43,8 @@ The modules, as a reader of SGLang's ``srt/speculative/`` looks for them (``dfla
   vocabulary-parallel too), ``round_graphs`` (the round's stages between the drafter and the verify
   and after it, as CUDA graphs per batch size), ``width_choice`` (an adaptive server's width per round
   from its prices and each width's own tokens, counted on the device, read back asynchronously),
-  ``width_runners`` (a narrower width's own attention backend and verify graphs, behind a switch);
+  ``width_runners`` (a narrower width's own attention backend and verify graphs, behind a switch),
+  ``readback`` (a device tensor to the host by an asynchronous copy and its event: no sync in a round);
 * ``check``: ``python -m ddtree_runtime.sglang_plugin.check``, is DDTREE registered here?
 """
 

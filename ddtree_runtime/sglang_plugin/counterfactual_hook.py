@@ -47,6 +47,7 @@ from torch import Tensor
 
 from ddtree_runtime.core.counterfactual import Candidate, CounterfactualScorer
 from ddtree_runtime.core.tree_types import DraftTopK, topk_width
+from ddtree_runtime.sglang_plugin.round.readback import copy_to_host
 
 logger = logging.getLogger(__name__)
 
@@ -282,13 +283,6 @@ class TeeDraftBlock:
         return getattr(self._models, name)
 
 
-class _Done:
-    """The event of a copy that completed when it was issued (the scorer on the host)."""
-
-    def query(self) -> bool:
-        return True
-
-
 class CounterPublisher:
     """The scorer's counters to ``sink(snapshot)`` without a host sync on the decode path: after a round,
     at most every ``interval_s``, an asynchronous copy of :meth:`CounterfactualScorer.counter_vector` into
@@ -327,16 +321,9 @@ class CounterPublisher:
         if not self.async_copy:
             self._publish(vec.tolist(), self.hook.rounds_observed)  # on the host: the values are here
             return
-        cuda = vec.device.type == "cuda"
         if self._host is None:
-            self._host = torch.empty(vec.shape, dtype=vec.dtype, pin_memory=cuda)
-        host = self._host
-        host.copy_(vec, non_blocking=cuda)
-        event: Any = _Done()
-        if cuda:
-            event = torch.cuda.Event()
-            event.record()
-        self._copy = (host, event, self.hook.rounds_observed)
+            self._host = torch.empty(vec.shape, dtype=vec.dtype, pin_memory=vec.device.type == "cuda")
+        self._copy = (self._host, copy_to_host(vec, self._host), self.hook.rounds_observed)
 
     def flush(self) -> None:
         """Scheduler idle: publish what the scorer holds now if anything changed."""

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from ddtree_runtime.core.round_prices import PriceTable
 from ddtree_runtime.core.width_policy import WidthChooser
+from ddtree_runtime.sglang_plugin.round.readback import copy_to_host
 
 logger = logging.getLogger(__name__)
 
@@ -35,11 +36,6 @@ READBACK_INTERVAL_S = 0.5
 def _width_named(rest: str) -> int | None:
     head = rest.split("-", 1)[0]
     return int(head) if head.isdigit() else None
-
-
-class _Done:
-    def query(self) -> bool:
-        return True
 
 
 class WidthChoice:
@@ -68,8 +64,7 @@ class WidthChoice:
         self.publish = publish
         self.tokens = torch.zeros(len(self.budgets), dtype=torch.int64, device=device)
         self._slot: dict[int, Tensor] = {}  # width index -> [max bs] of that index (index_add_'s index)
-        self._cuda = device.type == "cuda"
-        self._host = torch.zeros(len(self.budgets), dtype=torch.int64, pin_memory=self._cuda)
+        self._host = torch.zeros(len(self.budgets), dtype=torch.int64, pin_memory=device.type == "cuda")
         self._copy: tuple[Any, dict[str, int]] | None = None  # (event, rows dispatched at the copy)
         self._next = 0.0
         self._warm_turn = 0
@@ -111,12 +106,7 @@ class WidthChoice:
         if self._copy is not None or now < self._next:
             return
         self._next = now + self.interval_s
-        self._host.copy_(self.tokens, non_blocking=self._cuda)
-        event: Any = _Done()
-        if self._cuda:
-            event = torch.cuda.Event()
-            event.record()
-        self._copy = (event, dict(self.chooser.dispatched_rows))
+        self._copy = (copy_to_host(self.tokens, self._host), dict(self.chooser.dispatched_rows))
 
     def to_dict(self) -> dict[str, Any]:
         return self.chooser.to_dict()
